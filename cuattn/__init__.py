@@ -1,0 +1,10 @@
+"""cuattn: exact, fast attention for CuPy and NumPy.
+
+``cuattn.attention(q, k, v)`` runs cuattn's own CUDA kernels on CuPy arrays and a blocked
+NumPy implementation on NumPy arrays, with the same semantics (API.md).
+"""
+from .attention import attention, multi_head_attention
+from .elementwise import vector_add
+
+__version__ = "0.1.0"
+__all__ = ["attention", "multi_head_attention", "vector_add", "__version__"]

@@ -1,0 +1,151 @@
+"""The command line: ``python -m cuattn {info,demo,bench,check}``."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _gpu():
+    """CuPy if a GPU is usable, else None."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:  # noqa: BLE001 - no CuPy / driver / device
+        pass
+    return None
+
+
+def cmd_info(args) -> int:
+    import ml_dtypes
+
+    import cuattn
+    from cuattn._checks import check_attention
+    from cuattn._dispatch import forward_kernel
+    from cuattn._kernels import kernel_dir
+    print(f"cuattn {cuattn.__version__}  numpy {np.__version__}  ml_dtypes {ml_dtypes.__version__}"
+          f"  python {sys.version.split()[0]}")
+    print(f"kernel sources: {kernel_dir()}"
+          + ("  (CUATTN_KERNEL_DIR)" if os.environ.get("CUATTN_KERNEL_DIR") else ""))
+    cupy = _gpu()
+    if cupy is None:
+        print("GPU: none usable (NumPy inputs run on the CPU backend)")
+        return 0
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    cc = dev.compute_capability
+    print(f"cupy {cupy.__version__}  NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}"
+          f"  driver {cupy.cuda.runtime.driverGetVersion()}")
+    print(f"GPU {dev.id}: {props['name'].decode()}  compute capability {cc[:-1]}.{cc[-1]}  "
+          f"{dev.attributes['MultiProcessorCount']} SMs  "
+          f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B shared memory per block (opt-in)")
+    print(f"kernel cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d in (64, 128):
+            x = np.empty((1, d), ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+            choice = forward_kernel(check_attention(x, x, x), (int(cc[:-1]), int(cc[-1])))
+            print(f"  {dtype:8s} D={d:<4d} -> {choice.family}: {choice.name_expression}")
+    return 0
+
+
+def _vit_inputs(xp, dtype, rng):
+    """A 224x224x3 image cut into 196 patches of 16x16, embedded to E=768, plus a class
+    token: x of shape (1, 197, 768), and the four projections of a 12-head layer."""
+    image = rng.standard_normal((224, 224, 3))
+    patches = image.reshape(14, 16, 14, 16, 3).transpose(0, 2, 1, 3, 4).reshape(196, 768)
+    embed = rng.standard_normal((768, 768)) / math.sqrt(768)
+    tokens = np.concatenate([rng.standard_normal((1, 768)), patches @ embed])[None]
+    weights = [rng.standard_normal((768, 768)) / math.sqrt(768) for _ in range(4)]
+    return tokens, weights
+
+
+def cmd_demo(args) -> int:
+    import ml_dtypes
+
+    import cuattn
+    from cuattn.reference import attention_reference
+    rng = np.random.default_rng(0)
+    x64, w64 = _vit_inputs(np, np.float64, rng)
+    heads, dh = 12, 64
+
+    def reference():
+        proj = [(x64 @ w).reshape(1, 197, heads, dh).swapaxes(1, 2) for w in w64[:3]]
+        out, _ = attention_reference(*proj)
+        return out.swapaxes(1, 2).reshape(1, 197, 768) @ w64[3]
+
+    want = reference()
+    cupy = _gpu()
+    where = "GPU (cuattn CUDA kernels)" if cupy is not None else "CPU (NumPy backend; no GPU found)"
+    print("ViT-B/16 self-attention: 224x224x3 image -> 196 patches of 16x16 + class token "
+          f"= 197 tokens, E=768, 12 heads of 64\nrunning on {where}")
+    dtypes = [np.float32, np.float16, ml_dtypes.bfloat16] if cupy is not None else [np.float32]
+    ok = True
+    for dtype in dtypes:
+        xp = cupy if cupy is not None else np
+        x = xp.asarray(x64.astype(dtype))
+        w = [xp.asarray(m.astype(dtype)) for m in w64]
+        y = cuattn.multi_head_attention(x, *w, num_heads=heads)
+        if cupy is not None:
+            cupy.cuda.Device().synchronize()
+        reps, t0 = 20, time.perf_counter()
+        for _ in range(reps):
+            y = cuattn.multi_head_attention(x, *w, num_heads=heads)
+        if cupy is not None:
+            cupy.cuda.Device().synchronize()
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        got = (cupy.asnumpy(y) if cupy is not None else y).astype(np.float64)
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        tol = 1e-5 if dtype == np.float32 else 3e-2
+        ok &= err <= tol
+        print(f"  {np.dtype(dtype).name:8s}: {ms:7.3f} ms per layer, max error vs float64 "
+              f"reference {err:.2e} (relative to max|y|; tolerance {tol:.0e}) "
+              f"{'ok' if err <= tol else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def cmd_bench(args) -> int:
+    from cuattn import bench
+    suites = args.suite or ["vector_add", "vit", "fp32", "fp64"]
+    unknown = [s for s in suites if s not in bench.SUITES]
+    if unknown:
+        print(f"unknown suite(s) {unknown}; choose from {list(bench.SUITES)}", file=sys.stderr)
+        return 2
+    if _gpu() is None:
+        print("bench needs a GPU", file=sys.stderr)
+        return 2
+    results = bench.run(suites, json_path=args.json, plot_path=args.plot)
+    print(bench._format(results))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from cuattn.check import run_check
+    return run_check(quick=args.quick)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU, kernel sources, dispatch").set_defaults(fn=cmd_info)
+    sub.add_parser("demo", help="ViT self-attention end to end, checked and timed"
+                   ).set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="cuattn against its peers, one run")
+    b.add_argument("--suite", action="append", help="vector_add, vit, fp32, fp64, long, train")
+    b.add_argument("--json", default="cuattn-bench.json", help="write results here")
+    b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
+    b.set_defaults(fn=cmd_bench)
+    c = sub.add_parser("check", help="correctness matrix of the GPU kernels "
+                                     "(honours CUATTN_KERNEL_DIR)")
+    c.add_argument("--quick", action="store_true", help="fewer shapes")
+    c.set_defaults(fn=cmd_check)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Argument validation shared by every backend and the references.
+
+Everything a call can get wrong is found here, before any launch or allocation, and raised
+with API.md's exception types: ``TypeError`` for kinds and dtypes, ``ValueError`` for shapes
+and values. The functions return small records of normalised arguments that the backends
+consume without re-checking.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["AttentionCall", "check_attention", "check_backward", "as_array",
+           "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype"]
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
+                np.dtype(np.float64))
+#: The largest head dim any kernel family serves (the portable one).
+MAX_HEAD_DIM = 1024
+PRECISIONS = ("highest", "tf32")
+
+
+def _cupy_or_none():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def as_array(x: Any, name: str):
+    """Return ``(array, xp)``: NumPy arrays as they are, CuPy arrays as they are, and CUDA
+    ``__cuda_array_interface__`` / ``__dlpack__`` objects as zero-copy CuPy views."""
+    if isinstance(x, np.ndarray):
+        return x, np
+    cupy = _cupy_or_none()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return x, cupy
+    on_cuda = hasattr(x, "__cuda_array_interface__")
+    if not on_cuda and hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        try:
+            on_cuda = int(x.__dlpack_device__()[0]) in (2, 3, 13)  # CUDA, CUDA host, managed
+        except Exception:  # noqa: BLE001 - an exotic object: not an array we take
+            on_cuda = False
+    if on_cuda:
+        if cupy is None:
+            from ._kernels import require_cupy
+            require_cupy()
+        if hasattr(x, "__dlpack__"):
+            return cupy.from_dlpack(x), cupy
+        return cupy.asarray(x), cupy
+    raise TypeError(f"{name} must be a numpy.ndarray, a cupy.ndarray or a CUDA array "
+                    f"(DLPack / __cuda_array_interface__), got {type(x).__name__}")
+
+
+def lse_dtype(dtype) -> np.dtype:
+    """lse is float32, or float64 for float64 inputs."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+@dataclass
+class AttentionCall:
+    """One validated attention call. ``window_left``/``window_right`` are -1 when unbounded
+    and already include ``causal``; ``softcap`` is 0.0 when absent."""
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    bias: Any
+    out: Any
+    batch_shape: tuple
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+    precision: str | None
+    return_lse: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.q.dtype
+
+    @property
+    def out_shape(self) -> tuple:
+        return self.batch_shape + (self.seqlen_q, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self.batch_shape + (self.seqlen_q,)
+
+
+def _device_id(x, xp):
+    return None if xp is np else x.device.id
+
+
+def _positive_finite(value, name):
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and positive, got {name}={value}")
+    return value
+
+
+def _window(window, causal: bool) -> tuple[int, int]:
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right), got window={window!r}")
+        sides = []
+        for side_name, side in zip(("left", "right"), window):
+            if side is None:
+                side = -1
+            if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+                raise ValueError(f"window {side_name} must be an int, -1 or None, got {side!r}")
+            if side < -1:
+                raise ValueError(f"window {side_name} must be >= 0, or -1/None for unbounded, "
+                                 f"got window={tuple(window)!r}")
+            sides.append(int(side))
+        left, right = sides
+    if causal:  # causal is the window (left, 0); with a window given both must hold
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _trailing_broadcasts(shape, target, name):
+    """True when the last two dims of ``shape`` broadcast to ``target`` (Sq, Sk)."""
+    tail = tuple(shape[-2:]) if len(shape) >= 2 else tuple(shape)
+    tail = (1,) * (2 - len(tail)) + tail
+    for have, want in zip(tail, target):
+        if have not in (1, want):
+            raise ValueError(f"{name} of shape {tuple(shape)} does not broadcast to "
+                             f"(..., Sq, Sk) = (..., {target[0]}, {target[1]})")
+
+
+def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
+                    softcap=None, return_lse=False, precision=None, out=None) -> AttentionCall:
+    """Validate an attention call and normalise its arguments (API.md, "Errors")."""
+    (q, xp), (k, xk), (v, xv) = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
+    arrays = {"q": (q, xp), "k": (k, xk), "v": (v, xv)}
+    if mask is not None:
+        mask, xm = as_array(mask, "mask")
+        arrays["mask"] = (mask, xm)
+    if bias is not None:
+        bias, xb = as_array(bias, "bias")
+        arrays["bias"] = (bias, xb)
+    if out is not None:
+        out, xo = as_array(out, "out")
+        arrays["out"] = (out, xo)
+    kinds = {name: ("numpy" if mod is np else "cupy") for name, (_, mod) in arrays.items()}
+    if len(set(kinds.values())) > 1:
+        raise TypeError("host and device arrays cannot be mixed in one call: "
+                        + ", ".join(f"{n} is {kind}" for n, kind in kinds.items()))
+
+    for name in ("q", "k", "v"):
+        x = arrays[name][0]
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, "
+                            f"bfloat16, float32 and float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, "
+                        f"v={v.dtype} (cuattn does not promote silently)")
+    if mask is not None and mask.dtype != np.bool_:
+        raise TypeError(f"mask must be a bool array, got dtype {mask.dtype}")
+    if bias is not None and bias.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"bias must be a floating array (float16, bfloat16, float32, float64), "
+                        f"got dtype {bias.dtype}")
+
+    for name in ("q", "k", "v"):
+        if arrays[name][0].ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., S, D), got shape "
+                             f"{arrays[name][0].shape}")
+    seqlen_q, head_dim = q.shape[-2:]
+    seqlen_k, head_dim_v = v.shape[-2:]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k has head dim {k.shape[-1]} but q has {head_dim} (they must match)")
+    if k.shape[-2] != seqlen_k:
+        raise ValueError(f"v has {seqlen_k} keys (Sk) but k has {k.shape[-2]} (they must match)")
+    for name, dim in (("q and k", head_dim), ("v", head_dim_v)):
+        if dim < 1 or dim > MAX_HEAD_DIM:
+            raise ValueError(f"head dim of {name} is {dim}; supported head dims are 1 to "
+                             f"{MAX_HEAD_DIM}")
+
+    # masks and biases of fewer than 2 dims broadcast like NumPy: give them the missing
+    # leading axes as size-1 views, so every backend can index [..., rows, cols]
+    if mask is not None and mask.ndim < 2:
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    if bias is not None and bias.ndim < 2:
+        bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+    leading = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    for name, extra in (("mask", mask), ("bias", bias)):
+        if extra is not None:
+            _trailing_broadcasts(extra.shape, (seqlen_q, seqlen_k), name)
+            leading.append(extra.shape[:-2])
+    try:
+        batch_shape = tuple(int(n) for n in np.broadcast_shapes(*leading))
+    except ValueError:
+        shapes = ", ".join(f"{n}={arrays[n][0].shape}" for n in arrays if n != "out")
+        raise ValueError(f"the leading (batch) dims do not broadcast together: {shapes}") from None
+
+    devices = {n: _device_id(x, mod) for n, (x, mod) in arrays.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError("all arrays must be on one device, got "
+                         + ", ".join(f"{n} on device {d}" for n, d in devices.items()))
+
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_finite(scale, "scale")
+    softcap = 0.0 if softcap is None else _positive_finite(softcap, "softcap")
+    window_left, window_right = _window(window, bool(causal))
+
+    if precision is not None:
+        if q.dtype != np.float32:
+            raise ValueError(f"precision applies to float32 only, got precision={precision!r} "
+                             f"for {q.dtype} inputs")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be 'highest' or 'tf32', got precision={precision!r}")
+    elif q.dtype == np.float32:
+        precision = "highest"
+
+    out_shape = batch_shape + (seqlen_q, head_dim_v)
+    if out is not None:
+        if out.shape != out_shape or out.dtype != q.dtype:
+            raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}, got shape "
+                             f"{out.shape} and dtype {out.dtype}")
+        for name in arrays:
+            if name != "out" and xp.may_share_memory(out, arrays[name][0]):
+                raise ValueError(f"out overlaps {name}; it must be a separate array")
+
+    return AttentionCall(xp=xp, q=q, k=k, v=v, mask=mask, bias=bias, out=out,
+                         batch_shape=batch_shape, seqlen_q=int(seqlen_q),
+                         seqlen_k=int(seqlen_k), head_dim=int(head_dim),
+                         head_dim_v=int(head_dim_v), scale=scale, softcap=softcap,
+                         window_left=window_left, window_right=window_right,
+                         precision=precision, return_lse=bool(return_lse))
+
+
+def check_backward(call: AttentionCall, dout, out, lse):
+    """Validate the extra arrays of a backward call against a validated forward call."""
+    converted = []
+    for name, x, shape, dtype in (("dout", dout, call.out_shape, call.dtype),
+                                  ("out", out, call.out_shape, call.dtype),
+                                  ("lse", lse, call.lse_shape, lse_dtype(call.dtype))):
+        x, xm = as_array(x, name)
+        if xm is not call.xp:
+            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
+                            f"{'numpy' if xm is np else 'cupy'}, q is "
+                            f"{'numpy' if call.xp is np else 'cupy'}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+        if _device_id(x, xm) != _device_id(call.q, call.xp):
+            raise ValueError(f"{name} is on device {_device_id(x, xm)} but q is on "
+                             f"device {_device_id(call.q, call.xp)}")
+        converted.append(x)
+    return tuple(converted)

@@ -1,0 +1,77 @@
+"""The NVRTC resource gate: compile kernel instances without a GPU and read ptxas's report.
+
+Used by the tests (``tests/test_gate.py``) and ``python -m cuattn check --gate``. Compiles
+through ``cuda.bindings.nvrtc`` with the options the runtime uses (ours from
+``_kernels.nvrtc_options`` plus the three CuPy appends) and returns the registers, spill
+bytes and stack frame per instance.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._kernels import nvrtc_options, read_source
+
+# what cupy.cuda.compiler adds to every NVRTC compile (CuPy 14.2)
+CUPY_APPENDS = ("-ftz=true", "--device-as-default-execution-space")
+_USAGE = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass
+class Resources:
+    name_expression: str
+    arch: str
+    registers: int
+    stack_frame: int
+    spill_stores: int
+    spill_loads: int
+    log: str
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+def cuda_include_dir() -> str | None:
+    """The CUDA headers of the nvidia-cuda-runtime wheel (cuda_fp16.h, cuda_bf16.h)."""
+    try:
+        import nvidia.cu13
+        roots = list(nvidia.cu13.__path__)
+    except ImportError:
+        return None
+    for root in roots:
+        if (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return str(Path(root) / "include")
+    return None
+
+
+def compile_instance(filename: str, name_expression: str, arch: str) -> Resources:
+    """Compile one instance for ``arch`` (e.g. ``sm_90``); raise RuntimeError with the log
+    on a compile error."""
+    from cuda.bindings import nvrtc
+
+    source = read_source(filename).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    try:
+        nvrtc.nvrtcAddNameExpression(prog, name_expression.encode())
+        opts = list(nvrtc_options(arch)) + list(CUPY_APPENDS) + ["-Xptxas=-v"]
+        include = cuda_include_dir()
+        if include:
+            opts.append(f"--include-path={include}")
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\x00 ")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{name_expression} ({filename}, {arch}) failed to compile:\n{log}")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    usage, spill = _USAGE.search(log), _SPILL.search(log)
+    if usage is None or spill is None:
+        raise RuntimeError(f"no ptxas report for {name_expression} ({arch}):\n{log}")
+    return Resources(name_expression, arch, int(usage.group(1)), int(spill.group(1)),
+                     int(spill.group(2)), int(spill.group(3)), log)

@@ -1,0 +1,158 @@
+"""The kernel loader: the only module that reads ``cuda/`` and calls NVRTC.
+
+A kernel instance is one template instantiation of one ``.cu`` file, e.g.
+``attention_fwd_portable<float, cuattn::NoBias, false, 64, 64, 64, 64, 2>``. It is built by
+:func:`get_kernel` through ``cupy.RawModule(code=..., name_expressions=[...])`` after local
+``#include "x.cuh"`` headers have been inlined into the text, so that CuPy's on-disk cache
+key (a hash of the source) covers the headers too. Instances are cached per process by
+(device, kernel directory, file, name expression, options) and on disk by CuPy
+(``CUPY_CACHE_DIR``).
+
+``CUATTN_KERNEL_DIR`` points the loader at another copy of the sources, for kernel
+experiments; it is read at every call, so a test or a notebook can switch folders.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
+           "ATTN_PARAMS_DTYPE", "c_type_name", "require_cupy"]
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_lock = threading.Lock()
+
+
+class KernelCompileError(RuntimeError):
+    """A ``.cu`` file failed to compile; the message holds the file name and NVRTC's log."""
+
+
+def require_cupy():
+    """Import CuPy, or say which extra installs it."""
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "cuattn needs CuPy for GPU arrays: install it with "
+            "`pip install cuattn[cuda13]` (or `cuattn[cuda12]` for a CUDA 12 driver)") from exc
+    return cupy
+
+
+def kernel_dir() -> Path:
+    """The folder the kernel sources are read from.
+
+    ``CUATTN_KERNEL_DIR`` if set; else the sources packaged in the wheel
+    (``cuattn/cuda``); else the ``cuda/`` folder of a source checkout or editable install.
+    """
+    env = os.environ.get("CUATTN_KERNEL_DIR")
+    if env:
+        path = Path(env)
+        if not (path / "common.cuh").is_file():
+            raise FileNotFoundError(
+                f"CUATTN_KERNEL_DIR={env!r} does not hold the kernel sources (no common.cuh)")
+        return path
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parent / "cuda"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cuattn's kernel sources are missing: looked in {here / 'cuda'} "
+                            f"and {here.parent / 'cuda'}")
+
+
+def read_source(filename: str, directory: Path | None = None) -> str:
+    """The text of ``filename`` with local ``#include "..."`` headers inlined, each once."""
+    directory = kernel_dir() if directory is None else Path(directory)
+    seen: set[str] = set()
+
+    def inline(name: str) -> str:
+        lines = []
+        for line in (directory / name).read_text().splitlines():
+            match = _INCLUDE.match(line)
+            if match:
+                header = match.group(1)
+                if header not in seen:
+                    seen.add(header)
+                    lines.append(f"// ---- begin {header}")
+                    lines.append(inline(header))
+                    lines.append(f"// ---- end {header}")
+            elif line.strip() != "#pragma once":
+                lines.append(line)
+        return "\n".join(lines)
+
+    return inline(filename) + "\n"
+
+
+def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
+    """Our NVRTC options. At run time CuPy appends ``-arch=sm_XX`` for the current device,
+    ``-ftz=true`` and ``--device-as-default-execution-space``; the NVRTC gate
+    (``cuattn._gate``) passes ``arch`` and the same appends, so that its register and spill
+    counts are the runtime's."""
+    opts = ("-std=c++17",)
+    if arch is not None:
+        opts += (f"-arch={arch}",)
+    return opts
+
+
+@functools.cache
+def _module(device_id: int, directory: str, filename: str, name_expression: str,
+            options: tuple[str, ...]):
+    cupy = require_cupy()
+    source = read_source(filename, Path(directory))
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=source, options=options, name_expressions=[name_expression])
+        try:
+            return module.get_function(name_expression)
+        except cupy.cuda.compiler.CompileException as exc:
+            raise KernelCompileError(
+                f"compiling {name_expression} from {Path(directory) / filename} failed:\n"
+                f"{exc.get_message() if hasattr(exc, 'get_message') else exc}") from None
+
+
+def get_kernel(filename: str, name_expression: str, *, shared_mem: int = 0,
+               options: tuple[str, ...] | None = None):
+    """The compiled ``cupy.RawKernel`` for one template instance on the current device.
+
+    ``shared_mem`` above 48 KB is opted into with ``max_dynamic_shared_size_bytes``, after a
+    check against the device's ``MaxSharedMemoryPerBlockOptin``.
+    """
+    cupy = require_cupy()
+    device = cupy.cuda.Device()
+    options = nvrtc_options() if options is None else options
+    with _lock:  # one compile per instance even when threads race to the first call
+        kernel = _module(device.id, str(kernel_dir()), filename, name_expression, options)
+        if shared_mem > 48 * 1024:
+            limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+            if shared_mem > limit:
+                raise NotImplementedError(
+                    f"{name_expression} needs {shared_mem} bytes of shared memory but this GPU "
+                    f"allows {limit} per block")
+            if kernel.max_dynamic_shared_size_bytes < shared_mem:
+                kernel.max_dynamic_shared_size_bytes = shared_mem
+    return kernel
+
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+            "float64": "double", "int32": "int", "int64": "long long"}
+
+
+def c_type_name(dtype) -> str:
+    """The CUDA C++ type of a NumPy dtype, as the kernels' templates spell it."""
+    return _C_TYPES[np.dtype(dtype).name]
+
+
+_STRIDES = [(f, np.int64) for f in ("b0", "b1", "b2", "row", "col")]
+_STRIDES_DTYPE = np.dtype(_STRIDES)
+#: The parameter block of the attention kernels, field for field ``AttnParams`` in
+#: ``cuda/common.cuh``. All fields are 8 bytes wide, so no padding rule can differ.
+ATTN_PARAMS_DTYPE = np.dtype(
+    [(f, np.int64) for f in ("q", "k", "v", "out", "lse", "mask", "bias", "batch1", "batch2",
+                             "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "window_left",
+                             "window_right", "num_m_blocks", "num_dv_tiles")]
+    + [("scale", np.float64), ("softcap", np.float64)]
+    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")],
+    align=True)

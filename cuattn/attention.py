@@ -1,0 +1,237 @@
+"""``attention``, ``attention_backward``, ``attention_vjp`` and ``multi_head_attention``.
+
+Each public function validates its arguments (``_checks``), then hands NumPy calls to the
+blocked NumPy backend (``_cpu``) and CuPy calls to the kernel that ``_dispatch`` picks,
+launched here on the current stream with a parameter block of pointers and strides.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _cpu, _dispatch
+from ._checks import AttentionCall, check_attention, lse_dtype
+from ._kernels import ATTN_PARAMS_DTYPE, get_kernel
+
+__all__ = ["attention", "multi_head_attention"]
+
+
+def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
+              softcap=None, return_lse=False, precision=None, out=None):
+    """Exact scaled dot-product attention, ``softmax(scale · q kᵀ + bias) v``, in O(S) memory.
+
+    Parameters
+    ----------
+    q : (..., Sq, D) ndarray
+        Queries: numpy, cupy, or a CUDA array (PyTorch, JAX, Numba) taken zero-copy
+        through DLPack / ``__cuda_array_interface__``. float16, bfloat16, float32 or float64.
+    k : (..., Sk, D) ndarray
+        Keys, same dtype as q.
+    v : (..., Sk, Dv) ndarray
+        Values, same dtype as q. The leading dims of q, k, v, mask and bias broadcast
+        together into the batch shape (heads are a batch axis; GQA is broadcasting).
+    scale : float, optional
+        Score scale, default ``1 / sqrt(D)``; finite and positive.
+    causal : bool, optional
+        Key j is allowed for row i when ``j <= i + (Sk - Sq)`` (bottom-right aligned).
+    window : (int or None, int or None), optional
+        Local attention band ``(left, right)`` around ``i + (Sk - Sq)``; -1 or None is
+        unbounded. Combined with ``causal``, both must hold.
+    mask : (..., Sq, Sk) bool ndarray, optional
+        True where a key is allowed; broadcast like NumPy (e.g. ``(B, 1, 1, Sk)`` padding).
+    bias : (..., Sq, Sk) floating ndarray, optional
+        Added to the scores after softcap, before masking.
+    softcap : float, optional
+        Scores become ``softcap · tanh(s / softcap)`` before the bias.
+    return_lse : bool, optional
+        Also return the natural-log row log-sum-exp.
+    precision : {"highest", "tf32"}, optional
+        float32 only. "highest" (default) is as accurate as plain float32 arithmetic;
+        "tf32" allows TF32 tensor cores.
+    out : (..., Sq, Dv) ndarray, optional
+        Where to write the result; dtype of q, not overlapping any input.
+
+    Returns
+    -------
+    out : (..., Sq, Dv) ndarray
+        Same kind and device as the inputs, dtype of q. A row with no allowed key is 0.
+    lse : (..., Sq) ndarray
+        Only with ``return_lse``: float32 (float64 for float64 inputs); -inf for a row with
+        no allowed key.
+
+    Raises
+    ------
+    TypeError
+        Unsupported array kind or dtype, mixed host/device arrays, non-bool mask.
+    ValueError
+        Mismatched or non-broadcasting shapes, bad scale/softcap/window/precision/out.
+
+    Notes
+    -----
+    CuPy inputs run the CUDA kernels on the current stream without synchronising; NumPy
+    inputs run the same blocked online softmax in NumPy. Accumulation is float32 for
+    16-bit and float32 inputs, float64 for float64.
+
+    Examples
+    --------
+    >>> import numpy as np, cuattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 16, 8)).astype(np.float32) for _ in range(3))
+    >>> out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape, out.dtype
+    ((2, 4, 16, 8), (2, 4, 16), dtype('float32'))
+    """
+    call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                           bias=bias, softcap=softcap, return_lse=return_lse,
+                           precision=precision, out=out)
+    out, lse = _forward(call)
+    return (out, lse) if call.return_lse else out
+
+
+def _forward(call: AttentionCall, kernel: str | None = None):
+    """Run a validated call on its backend; ``kernel`` forces a GPU family (tests)."""
+    if call.xp is np:
+        return _cpu.attention_forward(call)
+    return _forward_gpu(call, kernel)
+
+
+def _attention(q, k, v, *, kernel=None, **kwargs):
+    """The private dispatcher: :func:`attention` with a forced kernel family."""
+    call = check_attention(q, k, v, **kwargs)
+    out, lse = _forward(call, kernel)
+    return (out, lse) if call.return_lse else out
+
+
+# ---- GPU launch ----------------------------------------------------------------------
+
+def _elem_strides(x) -> list[int]:
+    return [s // x.itemsize for s in x.strides]
+
+
+def _collapse_batch(batch_shape, strides_per_array):
+    """Merge adjacent batch axes that every array walks contiguously; drop size-1 axes.
+    Returns [(extent, [stride of each array])], outermost first."""
+    merged = []
+    for axis, extent in enumerate(batch_shape):
+        if extent == 1:
+            continue
+        strides = [s[axis] for s in strides_per_array]
+        if merged:
+            prev_extent, prev_strides = merged[-1]
+            if all(ps == s * extent for ps, s in zip(prev_strides, strides)):
+                merged[-1] = (prev_extent * extent, strides)
+                continue
+        merged.append((extent, strides))
+    return merged
+
+
+def _forward_gpu(call: AttentionCall, kernel: str | None):
+    cupy = call.xp
+    with call.q.device:
+        out = call.out if call.out is not None else cupy.empty(call.out_shape, call.dtype)
+        lse = cupy.empty(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
+        nbatch = math.prod(call.batch_shape)
+        if nbatch == 0 or call.seqlen_q == 0:
+            return out, lse
+        cc = cupy.cuda.Device().compute_capability  # e.g. "90"
+        choice = _dispatch.forward_kernel(call, (int(cc[:-1]), int(cc[-1])), kernel)
+        fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
+
+        batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
+        tensors = {
+            "q": cupy.broadcast_to(call.q, batch + call.q.shape[-2:]),
+            "k": cupy.broadcast_to(call.k, batch + call.k.shape[-2:]),
+            "v": cupy.broadcast_to(call.v, batch + call.v.shape[-2:]),
+            "out": out,
+            "lse": None if lse is None else lse[..., None],
+            "mask": None if call.mask is None else cupy.broadcast_to(call.mask, batch + sq_sk),
+            "bias": None if call.bias is None else cupy.broadcast_to(call.bias, batch + sq_sk),
+        }
+        present = {n: t for n, t in tensors.items() if t is not None}
+        strides = {n: _elem_strides(t) for n, t in present.items()}
+        nb = len(batch)
+        groups = _collapse_batch(batch, [strides[n][:nb] for n in present])
+        outer, inner = groups[:-3], groups[-3:]
+        inner = [(1, [0] * len(present))] * (3 - len(inner)) + inner
+
+        params = np.zeros((), ATTN_PARAMS_DTYPE)
+        params["batch1"], params["batch2"] = inner[1][0], inner[2][0]
+        params["seqlen_q"], params["seqlen_k"] = call.seqlen_q, call.seqlen_k
+        params["head_dim"], params["head_dim_v"] = call.head_dim, call.head_dim_v
+        params["window_left"], params["window_right"] = call.window_left, call.window_right
+        params["scale"], params["softcap"] = call.scale, call.softcap
+        num_m = -(-call.seqlen_q // choice.tiles.block_m)
+        num_dv = -(-call.head_dim_v // choice.dv_tile)
+        params["num_m_blocks"], params["num_dv_tiles"] = num_m, num_dv
+        for i, name in enumerate(present):
+            s = params[f"{name}_s"]
+            s["b0"], s["b1"], s["b2"] = (g[1][i] for g in inner)
+            s["row"], s["col"] = strides[name][nb:] + [0] * (2 - len(strides[name][nb:]))
+        grid = (num_m * num_dv * inner[0][0] * inner[1][0] * inner[2][0],)
+        # batch axes that did not collapse into three: one launch per outer index
+        for index in np.ndindex(*(g[0] for g in outer)):
+            for i, name in enumerate(present):
+                offset = sum(ix * g[1][i] for ix, g in zip(index, outer))
+                params[name] = present[name].data.ptr + offset * present[name].itemsize
+            fn(grid, (choice.threads,), (params[()],), shared_mem=choice.shared_mem)
+    return out, lse
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None, b_v=None,
+                         b_o=None, causal=False, mask=None):
+    """The self-attention layer of a Transformer / Vision Transformer (``x @ w`` convention).
+
+    Parameters
+    ----------
+    x : (..., N, E) ndarray
+        Tokens (numpy or cupy).
+    w_q, w_k, w_v, w_o : (E, E) ndarray
+        Projections, applied as ``x @ w``.
+    num_heads : int
+        E is split into ``num_heads`` heads of ``E // num_heads``.
+    b_q, b_k, b_v, b_o : (E,) ndarray, optional
+        Projection biases.
+    causal : bool, optional
+        Causal self-attention.
+    mask : bool ndarray, optional
+        Broadcastable to ``(..., num_heads, N, N)``.
+
+    Returns
+    -------
+    (..., N, E) ndarray
+
+    Examples
+    --------
+    >>> import numpy as np, cuattn
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    >>> w = [rng.standard_normal((16, 16)).astype(np.float32) / 4 for _ in range(4)]
+    >>> cuattn.multi_head_attention(x, *w, num_heads=4).shape
+    (2, 5, 16)
+    """
+    embed = x.shape[-1]
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got num_heads={num_heads!r}")
+    if embed % num_heads:
+        raise ValueError(f"embedding dim {embed} is not divisible by num_heads={num_heads}")
+    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
+        if w.shape != (embed, embed):
+            raise ValueError(f"{name} must have shape ({embed}, {embed}), got {w.shape}")
+    for name, b in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o)):
+        if b is not None and b.shape != (embed,):
+            raise ValueError(f"{name} must have shape ({embed},), got {b.shape}")
+    head_dim = embed // num_heads
+
+    def project(w, b):
+        y = x @ w
+        if b is not None:
+            y = y + b
+        # (..., N, E) -> (..., H, N, Dh): a view, no copy
+        return y.reshape(y.shape[:-1] + (num_heads, head_dim)).swapaxes(-2, -3)
+
+    heads = attention(project(w_q, b_q), project(w_k, b_k), project(w_v, b_v),
+                      causal=causal, mask=mask)
+    merged = heads.swapaxes(-2, -3).reshape(x.shape)
+    y = merged @ w_o
+    return y if b_o is None else y + b_o

@@ -1,0 +1,328 @@
+"""``python -m cuattn bench``: cuattn and its peers, timed side by side in one process.
+
+Peers join when importable: naive CuPy attention always; PyTorch SDPA restricted to one
+backend at a time (flash = FlashAttention-2, cudnn, efficient, math) on the same memory
+through DLPack; for vector_add, ``cupy.add``, a device-to-device copy (the bandwidth
+ceiling) and a Triton kernel. Times are CUDA-event medians after warm-up; inputs are drawn
+with ``standard_normal``. FLOPs follow FlashAttention: forward ``4·B·H·Sq·Sk·D``, halved
+for causal. Peak extra device memory is the CuPy pool's (or PyTorch's) high-water mark of
+one call minus what was held before it. See PERF.md for the suites and the targets.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+__all__ = ["SUITES", "run"]
+
+
+@dataclass
+class Case:
+    suite: str
+    kind: str                 # "attention" or "vector_add"
+    dtype: str
+    batch: int = 1
+    heads: int = 1
+    seqlen: int = 0
+    head_dim: int = 0
+    causal: bool = False
+    precision: str | None = None
+    n: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "vector_add":
+            return f"vector_add n=2^{int(math.log2(self.n))} {self.dtype}"
+        extra = (" causal" if self.causal else "")
+        extra += f" {self.precision}" if self.precision else ""
+        return (f"B{self.batch} H{self.heads} S{self.seqlen} D{self.head_dim} "
+                f"{self.dtype}{extra}")
+
+    @property
+    def flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        return f / 2 if self.causal else f
+
+
+@dataclass
+class Row:
+    impl: str
+    ms: float | None = None
+    rate: float | None = None      # TFLOP/s or GB/s
+    extra_mb: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Result:
+    case: Case
+    rows: list[Row] = field(default_factory=list)
+
+
+def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,)):
+    return [Case(suite, "attention", dt, b, h, s, d, c, p) for (b, h, s, d) in shapes
+            for dt in dtypes for c in causals for p in precisions]
+
+
+def _train_shapes():
+    return [(16384 // s, 2048 // d, s, d) for d in (64, 128, 256)
+            for s in (512, 1024, 2048, 4096, 8192, 16384)]
+
+
+SUITES = {
+    "vector_add": [Case("vector_add", "vector_add", dt, n=1 << 28)
+                   for dt in ("float32", "float16")],
+    "vit": _attn_cases("vit", [(64, 12, 197, 64)], ("float16", "bfloat16", "float32"), (False,)),
+    "fp32": _attn_cases("fp32", [(4, 16, 4096, 64), (4, 16, 4096, 128)], ("float32",),
+                        precisions=("highest", "tf32")),
+    "long": _attn_cases("long", [(1, 16, 16384, 128), (1, 16, 32768, 128)],
+                        ("bfloat16", "float32", "float64")),
+    "train": _attn_cases("train", _train_shapes(), ("bfloat16", "float16")),
+    "fp64": _attn_cases("fp64", [(1, 16, 4096, 64)], ("float64",)),
+}
+
+
+# ---- timing and memory ---------------------------------------------------------------
+
+def _time(fn, cupy, *, warmup=3, max_reps=50, budget_s=1.5) -> float:
+    """Median milliseconds of fn() over up to max_reps CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times, t_end = [], time.perf_counter() + budget_s
+    while len(times) < max_reps and (len(times) < 5 or time.perf_counter() < t_end):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def _peak_extra_mb(fn, cupy, torch) -> float:
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    if torch is not None:
+        torch.cuda.reset_peak_memory_stats()
+        t_before = torch.cuda.memory_allocated()
+    fn()
+    cupy.cuda.Device().synchronize()
+    extra = pool.total_bytes() - before
+    if torch is not None:
+        extra += torch.cuda.max_memory_allocated() - t_before
+    return extra / 2**20
+
+
+def _try_import(name):
+    try:
+        return __import__(name)
+    except Exception:  # noqa: BLE001 - a peer that does not import is simply absent
+        return None
+
+
+# ---- attention -----------------------------------------------------------------------
+
+def _naive(cupy, q, k, v, causal, scale):
+    s = (q @ k.swapaxes(-1, -2)).astype(cupy.float32) * scale
+    if causal:
+        n = s.shape[-1]
+        s = cupy.where(cupy.tri(n, dtype=bool), s, -cupy.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p.astype(q.dtype) @ v
+
+
+def _attention_rows(case: Case, cupy, torch):
+    import cuattn
+    dtype = np.dtype(case.dtype) if case.dtype != "bfloat16" else np.dtype("bfloat16")
+    shape = (case.batch, case.heads, case.seqlen, case.head_dim)
+    q, k, v = (cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+               for _ in range(3))
+    scale = 1.0 / math.sqrt(case.head_dim)
+    impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal,
+                                                precision=case.precision)}
+    score_bytes = case.batch * case.heads * case.seqlen**2 * 4
+    if score_bytes * 3 < 60 * 2**30 and case.precision != "tf32":
+        impls["naive cupy"] = lambda: _naive(cupy, q, k, v, case.causal, scale)
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        for name, backend in (("torch flash", SDPBackend.FLASH_ATTENTION),
+                              ("torch cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("torch efficient", SDPBackend.EFFICIENT_ATTENTION),
+                              ("torch math", SDPBackend.MATH)):
+            if name == "torch math" and score_bytes * 3 * dtype.itemsize / 4 > 60 * 2**30:
+                continue
+
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=case.causal, scale=scale)
+            impls[name] = call
+    rows = []
+    for name, fn in impls.items():
+        allow_tf32 = None
+        try:
+            if torch is not None and dtype == np.float32:
+                allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = case.precision == "tf32"
+            ms = _time(fn, cupy)
+            mb = _peak_extra_mb(fn, cupy, torch if name.startswith("torch") else None)
+            rows.append(Row(name, ms, case.flops / ms / 1e9, mb))
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case
+            rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
+        finally:
+            if allow_tf32 is not None:
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---- vector add ----------------------------------------------------------------------
+
+def _triton_add(torch, triton):
+    import triton.language as tl
+
+    @triton.jit
+    def add_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        tl.store(c_ptr + offs, tl.load(a_ptr + offs, mask=ok) + tl.load(b_ptr + offs, mask=ok),
+                 mask=ok)
+
+    def run(a, b, c):
+        n = a.numel()
+        add_kernel[(triton.cdiv(n, 4096),)](a, b, c, n, BLOCK=4096)
+    return run
+
+
+def _vector_add_rows(case: Case, cupy, torch):
+    import cuattn
+    a, b = (cupy.random.standard_normal(case.n, dtype=cupy.float32).astype(case.dtype)
+            for _ in range(2))
+    c = cupy.empty_like(a)
+    nbytes = a.nbytes
+    impls = {
+        "cuattn": (lambda: cuattn.vector_add(a, b, out=c), 3 * nbytes),
+        "cupy.add": (lambda: cupy.add(a, b, out=c), 3 * nbytes),
+        "device copy": (lambda: cupy.cuda.runtime.memcpyAsync(
+            c.data.ptr, a.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+            cupy.cuda.get_current_stream().ptr), 2 * nbytes),
+    }
+    triton = _try_import("triton")
+    if torch is not None and triton is not None:
+        try:
+            add = _triton_add(torch, triton)
+            ta, tb, tc = (torch.from_dlpack(x) for x in (a, b, c))
+            impls["triton"] = (lambda: add(ta, tb, tc), 3 * nbytes)
+        except Exception:  # noqa: BLE001
+            pass
+    rows = []
+    for name, (fn, moved) in impls.items():
+        try:
+            ms = _time(fn, cupy)
+            rows.append(Row(name, ms, moved / ms / 1e6, 0.0))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(name, note=f"{type(exc).__name__}: {exc}"[:90]))
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------
+
+def _format(results: list[Result]) -> str:
+    lines = []
+    for suite in dict.fromkeys(r.case.suite for r in results):
+        group = [r for r in results if r.case.suite == suite]
+        unit = "GB/s" if group[0].case.kind == "vector_add" else "TFLOP/s"
+        peers = list(dict.fromkeys(row.impl for r in group for row in r.rows))
+        lines.append(f"\n### suite {suite} ({unit}; ratio = peer time / cuattn time, >1 means "
+                     f"cuattn is faster; extra MB = peak extra device memory)")
+        header = ["case"] + [f"{p}" for p in peers] + ["cuattn extra MB"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        for r in group:
+            by = {row.impl: row for row in r.rows}
+            ours = by.get("cuattn")
+            cells = [r.case.label]
+            for p in peers:
+                row = by.get(p)
+                if row is None or row.ms is None:
+                    cells.append("—")
+                elif p == "cuattn" or ours is None or ours.ms is None:
+                    cells.append(f"{row.rate:.1f}")
+                else:
+                    cells.append(f"{row.rate:.1f} ({row.ms / ours.ms:.2f}x)")
+            cells.append("—" if ours is None or ours.extra_mb is None else f"{ours.extra_mb:.1f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [r.case.label for r in results]
+    impls = list(dict.fromkeys(row.impl for r in results for row in r.rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.9), 5))
+    width = 0.8 / max(1, len(impls))
+    for i, impl in enumerate(impls):
+        vals = [next((row.rate or 0 for row in r.rows if row.impl == impl), 0) for r in results]
+        ax.bar(np.arange(len(labels)) + i * width, vals, width, label=impl)
+    ax.set_xticks(np.arange(len(labels)) + 0.4)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s (attention) or GB/s (vector_add)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def environment(cupy) -> dict:
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": props["name"].decode(),
+            "compute_capability": dev.compute_capability,
+            "driver": cupy.cuda.runtime.driverGetVersion(),
+            "cupy": cupy.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv)}
+
+
+def run(suites, json_path=None, plot_path=None, progress=print) -> list[Result]:
+    """Run the named suites; print a progress line per case and return the results."""
+    from ._kernels import require_cupy
+    cupy = require_cupy()
+    torch = _try_import("torch")
+    if torch is not None and not torch.cuda.is_available():
+        torch = None
+    results = []
+    for name in suites:
+        for case in SUITES[name]:
+            t0 = time.perf_counter()
+            rows = (_vector_add_rows if case.kind == "vector_add" else _attention_rows)(
+                case, cupy, torch)
+            results.append(Result(case, rows))
+            ours = next((r for r in rows if r.impl == "cuattn"), None)
+            rate = "failed: " + ours.note if ours is None or ours.ms is None else f"{ours.rate:.1f}"
+            progress(f"[{name}] {case.label}: cuattn {rate} ({time.perf_counter() - t0:.1f} s)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(cupy),
+                       "results": [{"case": asdict(r.case), "rows": [asdict(x) for x in r.rows]}
+                                   for r in results]}, f, indent=1)
+    if plot_path:
+        try:
+            _plot(results, plot_path)
+        except ImportError:
+            progress("matplotlib is not installed: no plot")
+    return results

@@ -1,0 +1,69 @@
+"""``python -m cuattn check``: the kernel experimenter's loop.
+
+Copy ``cuda/`` somewhere, edit a kernel, and run
+``CUATTN_KERNEL_DIR=that/folder python -m cuattn check``: every GPU family × dtype × feature
+on a few ragged shapes, against the float64 reference with the accuracy rule, printing what
+passed, what failed and by how much.
+"""
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+from ._dispatch import FAMILIES
+from .reference import accuracy_bound, attention_reference, naive_attention
+
+FEATURES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window": (40, 7)},
+    "softcap": {"softcap": 3.0},
+    "mask": "mask",
+    "bias": "bias",
+}
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+
+
+def run_check(quick: bool = False) -> int:
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        print("check runs the CUDA kernels and needs a GPU")
+        return 2
+    from .attention import _attention
+    shapes = [(113, 203, 64), (257, 100, 128)] if quick else \
+        [(1, 17, 32), (113, 203, 64), (257, 100, 128), (77, 77, 256), (40, 30, 1000)]
+    failures, t0 = 0, time.perf_counter()
+    print(f"{'family':9s} {'dtype':9s} {'feature':8s} {'shape':14s} {'max error':>10s} "
+          f"{'bound':>10s}  result")
+    for family in (f.name for f in FAMILIES):
+        for dtype in DTYPES:
+            for fname, kw in FEATURES.items():
+                for sq, sk, d in shapes:
+                    rng = np.random.default_rng(sq + sk + d)
+                    q, k, v = (rng.standard_normal((2, n, d)).astype(dtype) for n in (sq, sk, sk))
+                    if kw == "mask":
+                        kw = {"mask": rng.random((sq, sk)) > 0.3}
+                    elif kw == "bias":
+                        kw = {"bias": rng.standard_normal((sq, sk)).astype(np.float32)}
+                    ref, _ = attention_reference(q, k, v, **kw)
+                    bound = accuracy_bound(naive_attention(q, k, v, **kw), ref)
+                    dev_kw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x
+                              for n, x in kw.items()}
+                    try:
+                        got = cupy.asnumpy(_attention(*(cupy.asarray(x) for x in (q, k, v)),
+                                                      kernel=family, **dev_kw)).astype(np.float64)
+                        err = float(np.max(np.abs(got - ref)))
+                        ok = bool(np.isfinite(got).all()) and err <= bound
+                        status = "pass" if ok else "FAIL"
+                    except Exception as exc:  # noqa: BLE001 - report and carry on
+                        err, ok, status = float("nan"), False, f"ERROR {type(exc).__name__}: {exc}"
+                    failures += not ok
+                    print(f"{family:9s} {np.dtype(dtype).name:9s} {fname:8s} "
+                          f"{f'{sq}x{sk}x{d}':14s} {err:10.2e} {bound:10.2e}  {status}")
+                    kw = FEATURES[fname]
+    print(f"{failures} failure(s); {time.perf_counter() - t0:.1f} s")
+    return 1 if failures else 0

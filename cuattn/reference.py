@@ -1,0 +1,225 @@
+"""float64 NumPy references: the executable specification of cuattn.
+
+Three things live here, all following API.md's semantics and DESIGN.md's names:
+
+* :func:`attention_reference` and :func:`attention_backward_reference`: the plain float64
+  formulas (every score materialised), which every kernel is compared against;
+* :func:`attention_blocked`: the tiled online-softmax loop that the CUDA kernels run, in
+  NumPy, with the same names (``m``, ``l``, ``acc``, ``alpha``, ``scale_log2``,
+  ``BLOCK_M``, ``BLOCK_N``), so the algorithm can be debugged apart from CUDA; the NumPy
+  backend runs it too;
+* :func:`naive_attention` and :func:`accuracy_bound`: the accuracy rule of DESIGN.md
+  (an implementation may err at most twice as much as plain softmax(q kᵀ) v computed in the
+  input dtype).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import AttentionCall, check_attention
+
+__all__ = ["attention_reference", "attention_backward_reference", "attention_blocked",
+           "allowed_keys", "naive_attention", "accuracy_bound", "sum_to_shape"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x
+
+
+def allowed_keys(call: AttentionCall, rows: slice, cols: slice, mask=None):
+    """Bool array, broadcastable to (batch..., rows, cols): may query row i attend to key j?
+
+    Combines the causal/window band (aligned to the bottom-right corner, so the last query
+    sees every key) with the bool ``mask``.
+    """
+    i = np.arange(rows.start, rows.stop)[:, None]
+    j = np.arange(cols.start, cols.stop)[None, :]
+    center = i + (call.seqlen_k - call.seqlen_q)
+    ok = np.ones((i.shape[0], j.shape[1]), dtype=bool)
+    if call.window_left >= 0:
+        ok &= j >= center - call.window_left
+    if call.window_right >= 0:
+        ok &= j <= center + call.window_right
+    if mask is not None:
+        ok = ok & _host(mask)[..., rows, cols]
+    return ok
+
+
+def _scores(call: AttentionCall, q, k, bias, rows: slice, cols: slice):
+    """Scores in natural units: scale * q kᵀ, then softcap, then bias (API.md steps 1-3)."""
+    s = call.scale * (q @ np.swapaxes(k, -1, -2))
+    if call.softcap:
+        s = call.softcap * np.tanh(s / call.softcap)
+    if bias is not None:
+        s = s + _host(bias)[..., rows, cols].astype(s.dtype)
+    return s
+
+
+def _prepare(q, k, v, mask, bias, kwargs):
+    call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
+    full_mask = None if call.mask is None else np.broadcast_to(
+        _host(call.mask), call.batch_shape + (call.seqlen_q, call.seqlen_k))
+    full_bias = None if call.bias is None else np.broadcast_to(
+        _host(call.bias), call.batch_shape + (call.seqlen_q, call.seqlen_k))
+    f64 = [_host(x).astype(np.float64) for x in (call.q, call.k, call.v)]
+    return call, f64, full_mask, full_bias
+
+
+def _dense_probabilities(call, q, k, mask, bias):
+    rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
+    s = _scores(call, q, k, bias, rows, cols)
+    allowed = np.broadcast_to(allowed_keys(call, rows, cols, mask), s.shape)
+    s = np.where(allowed, s, -np.inf)
+    if call.seqlen_k:
+        s_max = s.max(axis=-1, keepdims=True)
+    else:
+        s_max = np.full(s.shape[:-1] + (1,), -np.inf)
+    shift = np.where(np.isneginf(s_max), 0.0, s_max)  # a fully masked row: exp(-inf) = 0
+    e = np.exp(s - shift)
+    total = e.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(total == 0, 0.0, e / total)
+        lse = np.where(total[..., 0] == 0, -np.inf, shift[..., 0] + np.log(total[..., 0]))
+    return p, lse
+
+
+def attention_reference(q, k, v, *, mask=None, bias=None, **kwargs):
+    """float64 attention by the plain formula: returns ``(out, lse)`` as float64 arrays.
+
+    Takes :func:`cuattn.attention`'s arguments (``scale``, ``causal``, ``window``, ``mask``,
+    ``bias``, ``softcap``). Every score is materialised: use it for tests, not for long
+    sequences.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuattn.reference import attention_reference
+    >>> q = k = v = np.eye(2)[None]
+    >>> out, lse = attention_reference(q, k, v, causal=True)
+    >>> out[0, 0].tolist(), bool(np.isfinite(lse).all())
+    ([1.0, 0.0], True)
+    """
+    kwargs.pop("return_lse", None)
+    call, (q, k, v), mask, bias = _prepare(q, k, v, mask, bias, kwargs)
+    p, lse = _dense_probabilities(call, q, k, mask, bias)
+    out = np.broadcast_to(p @ v, call.out_shape)
+    return np.array(out), np.array(np.broadcast_to(lse, call.lse_shape))
+
+
+def sum_to_shape(grad, shape):
+    """Sum ``grad`` over the axes along which an input of ``shape`` was broadcast."""
+    extra = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(extra))) if extra else grad
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad
+
+
+def attention_backward_reference(dout, q, k, v, *, mask=None, bias=None, **kwargs):
+    """float64 gradients ``(dq, dk, dv)`` of ``attention(q, k, v)`` against ``dout``.
+
+    ``dS = P ∘ (dP - delta)`` with ``dP = dout vᵀ`` and ``delta = rowsum(dout ∘ out)``; the
+    softcap derivative ``1 - tanh²`` is applied where ``softcap`` is set; gradients of
+    broadcast inputs are summed over the broadcast axes, so they have the inputs' shapes.
+    """
+    shapes = (np.shape(q), np.shape(k), np.shape(v))
+    call, (q, k, v), mask, bias = _prepare(q, k, v, mask, bias, kwargs)
+    dout = _host(dout).astype(np.float64)
+    p, _ = _dense_probabilities(call, q, k, mask, bias)
+    out = p @ v
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v, -1, -2)
+    delta = (dout * out).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    if call.softcap:
+        t = np.tanh(call.scale * (q @ np.swapaxes(k, -1, -2)) / call.softcap)
+        ds = ds * (1.0 - t * t)
+    dq = ds @ k * call.scale
+    dk = np.swapaxes(ds, -1, -2) @ q * call.scale
+    return tuple(np.ascontiguousarray(sum_to_shape(g, s)) for g, s in zip((dq, dk, dv), shapes))
+
+
+def attention_blocked(call: AttentionCall, *, acc_dtype, block_m: int = 64, block_n: int = 64):
+    """The kernels' online-softmax loop in NumPy, for a validated NumPy call.
+
+    Query rows are taken ``BLOCK_M`` at a time; each block walks the key tiles of
+    ``BLOCK_N`` keys that its causal/window band reaches, keeping the running row max ``m``
+    (log2 units), row sum ``l`` and unnormalised output ``acc`` in ``acc_dtype``, and
+    rescaling by ``alpha = exp2(m_old - m_new)`` as each tile arrives. Memory is
+    O(batch · BLOCK_M · BLOCK_N). Returns ``(out, lse)`` in ``acc_dtype``.
+    """
+    BLOCK_M, BLOCK_N = block_m, block_n
+    scale_log2 = call.scale * LOG2E
+    off = call.seqlen_k - call.seqlen_q
+    out = np.empty(call.out_shape, acc_dtype)
+    lse = np.empty(call.lse_shape, acc_dtype)
+    for m0 in range(0, call.seqlen_q, BLOCK_M):
+        rows = slice(m0, min(m0 + BLOCK_M, call.seqlen_q))
+        q_blk = call.q[..., rows, :].astype(acc_dtype)
+        n_rows = rows.stop - rows.start
+        m = np.full(call.batch_shape + (n_rows,), -np.inf, acc_dtype)
+        l = np.zeros(call.batch_shape + (n_rows,), acc_dtype)
+        acc = np.zeros(call.batch_shape + (n_rows, call.head_dim_v), acc_dtype)
+        n_lo, n_hi = 0, call.seqlen_k  # key tiles outside the band are skipped, as in CUDA
+        if call.window_left >= 0:
+            n_lo = max(0, m0 + off - call.window_left) // BLOCK_N * BLOCK_N
+        if call.window_right >= 0:
+            n_hi = min(n_hi, rows.stop - 1 + off + call.window_right + 1)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = slice(n0, min(n0 + BLOCK_N, call.seqlen_k))
+            k_blk = call.k[..., cols, :].astype(acc_dtype)
+            v_blk = call.v[..., cols, :].astype(acc_dtype)
+            qk = q_blk @ np.swapaxes(k_blk, -1, -2)
+            if call.softcap:
+                s = (call.softcap * LOG2E) * np.tanh(qk * (call.scale / call.softcap))
+            else:
+                s = qk * scale_log2
+            if call.bias is not None:
+                s = s + call.bias[..., rows, cols].astype(acc_dtype) * LOG2E
+            s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf).astype(acc_dtype)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_use = np.where(np.isneginf(m_new), 0, m_new)  # all masked so far: exp2 -> 0
+            alpha = np.exp2(m - m_use)
+            p = np.exp2(s - m_use[..., None])
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + p @ v_blk
+            m = m_new
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[..., rows, :] = np.where(l[..., None] == 0, 0, acc / l[..., None])
+            lse[..., rows] = np.where(l == 0, -np.inf, m * LN2 + np.log(l))
+    return out, lse
+
+
+def naive_attention(q, k, v, *, mask=None, bias=None, **kwargs):
+    """softmax(q kᵀ) v computed plainly in the input dtype: the yardstick of the accuracy
+    rule. 16-bit inputs accumulate in float32 and S, P and out are rounded to the input
+    dtype; float32 and float64 run in their own precision."""
+    kwargs.pop("return_lse", None)
+    kwargs.pop("precision", None)
+    call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
+    dtype = call.dtype
+    work = np.float64 if dtype == np.float64 else np.float32
+    q, k, v = (_host(x).astype(work) for x in (call.q, call.k, call.v))
+    rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
+    s = _scores(call, q, k, None if call.bias is None else call.bias, rows, cols)
+    s = s.astype(dtype).astype(work)
+    s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf)
+    s_max = s.max(axis=-1, keepdims=True) if call.seqlen_k else np.zeros(s.shape[:-1] + (1,))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = np.exp(s - np.where(np.isneginf(s_max), 0, s_max))
+        total = e.sum(axis=-1, keepdims=True)
+        p = np.where(total == 0, 0, e / total).astype(dtype).astype(work)
+    out = (p @ v).astype(dtype)
+    return np.array(np.broadcast_to(out, call.out_shape))
+
+
+def accuracy_bound(naive, ref64) -> float:
+    """DESIGN.md's rule: an implementation passes when ``max|out - ref64| <= bound`` with
+    ``bound = 2 * max|naive - ref64| + 1e-6`` (use 3× for gradients)."""
+    naive = np.asarray(naive, dtype=np.float64)
+    finite = np.isfinite(ref64)
+    if not finite.any():
+        return 1e-6
+    return 2.0 * float(np.max(np.abs(naive[finite] - ref64[finite]), initial=0.0)) + 1e-6

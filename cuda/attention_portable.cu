@@ -1,0 +1,292 @@
+// attention_portable.cu -- tiled online-softmax attention on CUDA cores, every dtype.
+//
+// Computes:   out[b, i, :] = sum_j softmax_j(s[b, i, j]) v[b, j, :] and
+//             lse[b, i] = log sum_j exp(s[b, i, j]), with s = scale * q_i . k_j, then
+//             softcap, bias and masking exactly as API.md ("Semantics") and
+//             cuattn/reference.py::attention_reference define them.
+// Layout:     q (batch, Sq, D), k (batch, Sk, D), v (batch, Sk, Dv), out (batch, Sq, Dv),
+//             lse (batch, Sq); mask and bias (batch, Sq, Sk); every tensor is addressed
+//             through explicit element strides in AttnParams (common.cuh), with three
+//             collapsed batch axes, so broadcast axes (stride 0), GQA views, (B, S, H, D)
+//             layouts and key-padding masks cost no copy.
+// Ownership:  one block of 256 threads owns BLOCK_M query rows and DV_TILE output columns
+//             of one batch entry (grid: m blocks fastest, then Dv tiles, then batch). The
+//             threads form a 16 x 16 grid: thread (ty, tx) owns rows ty*TM .. ty*TM+TM-1 of
+//             the tile, score columns tx + 16*j, and output columns (tx + 16*u)*VEC + e.
+//             The 16 threads of one row group sit in one half-warp, so row reductions are
+//             four shuffles.
+// Algorithm:  for each BLOCK_N-key tile that the causal/window band reaches:
+//             S = Q K^T (D in chunks of D_TILE; Q stays in shared memory when D <= D_TILE),
+//             then scale, softcap, bias, mask in log2 units; update the row state
+//             (m, l, alpha); P -> shared memory; acc = alpha * acc + P V.
+//             Nothing of size Sq x Sk is written to global memory.
+// Template:   T storage type; BiasT bias storage type (NoBias: no bias); HAS_MASK whether a
+//             bool mask is read (both compile out of the plain path, which saves registers);
+//             BLOCK_M, BLOCK_N tile rows of Q and K; D_TILE contraction chunk; DV_TILE output
+//             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__.
+// Shared mem: (BLOCK_M*(D_TILE+PAD) + BLOCK_N*(max(D_TILE, DV_TILE)+PAD)
+//             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>), PAD = 16 bytes of Acc<T>;
+//             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
+// Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
+//             (this loop, in NumPy).
+#include "common.cuh"
+
+namespace {
+
+using namespace cuattn;
+
+constexpr int THREADS = 256;
+
+// 16 bytes of A: the unit of every shared-memory read in the inner loops. A padded row of
+// (width + VEC) elements is an odd number of 16-byte units, so the eight threads of one
+// LDS.128 phase that read eight different rows hit eight different bank groups.
+template <typename A> struct Vec16;
+template <> struct Vec16<float> { using type = float4; };
+template <> struct Vec16<double> { using type = double2; };
+
+template <typename A, int N>
+__device__ __forceinline__ void lds16(A (&dst)[N], const A* src) {
+    static_assert(N * sizeof(A) == 16, "lds16 moves exactly 16 bytes");
+    *reinterpret_cast<typename Vec16<A>::type*>(dst) =
+        *reinterpret_cast<const typename Vec16<A>::type*>(src);
+}
+
+// Copy a ROWS x COLS tile of a strided global tensor into shared memory (row pitch
+// COLS + PAD), converting to the accumulator type. Elements outside [0, nrows) x [0, ncols)
+// become 0 so that partial tiles contribute nothing to the dot products.
+template <int ROWS, int COLS, int PAD, typename T, typename A>
+__device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_stride,
+                                          long long col_stride, long long nrows,
+                                          long long ncols) {
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+        const int r = idx / COLS, c = idx % COLS;  // consecutive threads: consecutive columns
+        A x = A(0);
+        if (r < nrows && c < ncols) x = to_acc(src[r * row_stride + c * col_stride]);
+        dst[r * (COLS + PAD) + c] = x;
+    }
+}
+
+// s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
+template <int TM, int TN, int D_TILE, int PAD, typename A>
+__device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_s, int tx,
+                                       int ty) {
+    constexpr int VEC = 16 / sizeof(A);
+#pragma unroll 1
+    for (int d = 0; d < D_TILE; d += VEC) {
+        A qf[TM][VEC], kf[TN][VEC];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) lds16(qf[i], q_s + (ty * TM + i) * (D_TILE + PAD) + d);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) lds16(kf[j], k_s + (tx + 16 * j) * (D_TILE + PAD) + d);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) s[i][j] = fma(qf[i][e], kf[j][e], s[i][j]);
+    }
+}
+
+// Turn raw dot products into log2-unit scores: scale (with softcap), bias, mask. Disallowed
+// positions (outside the sequence, the causal/window band or the bool mask) become -inf.
+template <int TM, int TN, bool HAS_MASK, typename A, typename BiasT>
+__device__ __forceinline__ void mask_scores(A (&s)[TM][TN], const AttnParams& p,
+                                            long long row0, long long col0, int tx,
+                                            const unsigned char* mask, const BiasT* bias) {
+    const A scale_log2 = A(p.scale * LOG2E);
+    const A softcap = A(p.softcap);
+    const A cap_over_scale = p.softcap > 0 ? A(p.scale / p.softcap) : A(0);
+    const long long off = p.seqlen_k - p.seqlen_q;
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const long long r = row0 + i;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const long long c = col0 + tx + 16 * j;
+            bool allowed = r < p.seqlen_q && c < p.seqlen_k &&
+                           in_window(r, c, off, p.window_left, p.window_right);
+            if constexpr (HAS_MASK)
+                if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
+            A x = s[i][j];
+            x = softcap > 0 ? softcap * A(LOG2E) * tanh_acc(x * cap_over_scale) : x * scale_log2;
+            if constexpr (!is_same_v<BiasT, NoBias>)
+                if (allowed) x += to_acc(bias[r * p.bias_s.row + c * p.bias_s.col]) * A(LOG2E);
+            s[i][j] = allowed ? x : neg_inf<A>();
+        }
+    }
+}
+
+// Online softmax: fold one tile of scores into the row state (m, l) and turn the scores
+// into probabilities p = exp2(s - m_new); returns alpha = exp2(m_old - m_new) per row.
+template <int TM, int TN, typename A>
+__device__ __forceinline__ void update_row_state(A (&s)[TM][TN], A (&m)[TM], A (&l)[TM],
+                                                 A (&alpha)[TM]) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        A tile_max = neg_inf<A>();
+#pragma unroll
+        for (int j = 0; j < TN; ++j) tile_max = max_acc(tile_max, s[i][j]);
+        // the 16 threads that share a row are lanes 0-15 or 16-31 of one warp
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1)
+            tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        const A m_new = max_acc(m[i], tile_max);
+        // a row with nothing allowed so far keeps m = -inf; subtract 0 instead so that
+        // exp2 gives 0 rather than exp2(-inf - -inf) = NaN
+        const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;
+        alpha[i] = fast_exp2(m[i] - m_use);
+        A tile_sum = A(0);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            s[i][j] = fast_exp2(s[i][j] - m_use);
+            tile_sum += s[i][j];
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+        l[i] = l[i] * alpha[i] + tile_sum;
+        m[i] = m_new;
+    }
+}
+
+// acc[i][u*VEC + e] = alpha[i] * acc + sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + e]
+template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, typename A>
+__device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A (&alpha)[TM],
+                                                       const A* p_s, const A* v_s, int tx,
+                                                       int ty) {
+    constexpr int VEC = 16 / sizeof(A);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[i][c] *= alpha[i];
+#pragma unroll 1
+    for (int n = 0; n < BLOCK_N; n += VEC) {
+        A pf[TM][VEC];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) lds16(pf[i], p_s + (ty * TM + i) * (BLOCK_N + PAD) + n);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+#pragma unroll
+            for (int u = 0; u < TV / VEC; ++u) {
+                A vf[VEC];
+                lds16(vf, v_s + (n + e) * (DV_TILE + PAD) + (tx + 16 * u) * VEC);
+#pragma unroll
+                for (int i = 0; i < TM; ++i)
+#pragma unroll
+                    for (int f = 0; f < VEC; ++f)
+                        acc[i][u * VEC + f] = fma(pf[i][e], vf[f], acc[i][u * VEC + f]);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+template <typename T, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N, int D_TILE,
+          int DV_TILE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(const AttnParams p) {
+    using A = Acc<T>;
+    constexpr int VEC = 16 / sizeof(A);
+    constexpr int PAD = VEC;
+    constexpr int TM = BLOCK_M / 16, TN = BLOCK_N / 16, TV = DV_TILE / 16;
+    constexpr int KV_COLS = D_TILE > DV_TILE ? D_TILE : DV_TILE;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % 16 == 0 &&
+                  DV_TILE % (16 * VEC) == 0, "tile sizes must be multiples of 16 (DV_TILE of 16*VEC)");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_s = reinterpret_cast<A*>(smem_raw);                // [BLOCK_M][D_TILE + PAD]
+    A* kv_s = q_s + BLOCK_M * (D_TILE + PAD);               // K [BLOCK_N][D_TILE + PAD], then V
+    A* p_s = kv_s + BLOCK_N * (KV_COLS + PAD);              // [BLOCK_M][BLOCK_N + PAD]
+
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const long long m_block = p.num_m_blocks - 1 - blockIdx.x % p.num_m_blocks;
+    const long long dv_tile = (blockIdx.x / p.num_m_blocks) % p.num_dv_tiles;
+    const long long b = blockIdx.x / (p.num_m_blocks * p.num_dv_tiles);
+    const long long m0 = m_block * BLOCK_M, c0 = dv_tile * DV_TILE;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + c0 * p.v_s.col;
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // The key range that the causal/window band reaches from rows m0 .. m_last; key tiles
+    // outside it are skipped entirely.
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    long long n_lo = 0, n_hi = p.seqlen_k;
+    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
+    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    n_lo = n_lo / BLOCK_N * BLOCK_N;
+
+    const long long rows_q = p.seqlen_q - m0;
+    const int num_d_chunks = (int)((p.head_dim + D_TILE - 1) / D_TILE);
+    // Q stays in shared memory for the whole loop when the head dim fits one chunk; the
+    // first loop iteration's barrier makes it visible.
+    if (num_d_chunks == 1) load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+
+    A m[TM], l[TM], acc[TM][TV];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        m[i] = neg_inf<A>();
+        l[i] = A(0);
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
+    }
+
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N) {
+        A s[TM][TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) s[i][j] = A(0);
+        for (int dc = 0; dc < num_d_chunks; ++dc) {
+            const long long d0 = (long long)dc * D_TILE;
+            if (num_d_chunks > 1)
+                load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + d0 * p.q_s.col, p.q_s.row, p.q_s.col,
+                                                rows_q, p.head_dim - d0);
+            load_tile<BLOCK_N, D_TILE, PAD>(kv_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
+                                            p.k_s.col, p.seqlen_k - n0, p.head_dim - d0);
+            __syncthreads();  // the Q and K chunks are in shared memory
+            scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
+            __syncthreads();  // every thread is done with this chunk before it is overwritten
+        }
+        mask_scores<TM, TN, HAS_MASK>(s, p, m0 + ty * TM, n0, tx, mask, bias);
+        A alpha[TM];
+        update_row_state(s, m, l, alpha);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) p_s[(ty * TM + i) * (BLOCK_N + PAD) + tx + 16 * j] = s[i][j];
+        // V reuses the K buffer: the barrier after the last score chunk freed it
+        load_tile<BLOCK_N, DV_TILE, PAD>(kv_s, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
+                                         p.seqlen_k - n0, p.head_dim_v - c0);
+        __syncthreads();  // P and V are in shared memory
+        rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, kv_s, tx, ty);
+        __syncthreads();  // P and V are consumed before the next tile overwrites them
+    }
+
+    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf (API.md 6).
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const long long r = m0 + ty * TM + i;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const A inv_l = l[i] == A(0) ? A(0) : A(1) / l[i];
+#pragma unroll
+        for (int u = 0; u < TV / VEC; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long c = c0 + (tx + 16 * u) * VEC + e;
+                if (c < p.head_dim_v)  // columns past Dv in the last tile
+                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
+            }
+        if (p.lse && dv_tile == 0 && tx == 0) {
+            A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
+        }
+    }
+}

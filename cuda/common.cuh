@@ -1,0 +1,99 @@
+// common.cuh -- shared device code for every cuattn kernel.
+//
+// What lives here: the numeric traits (storage type T -> accumulator type), conversions
+// between storage and accumulator, the parameter block of the attention kernels
+// (AttnParams, mirrored field for field by cuattn/_kernels.py::ATTN_PARAMS_DTYPE), and the
+// online-softmax row-state helpers whose names follow DESIGN.md: m (running row max, in
+// log2 units), l (running row sum), acc (unnormalised output), alpha = exp2(m_old - m_new).
+//
+// This header is inlined into each .cu file by cuattn/_kernels.py before compilation, so
+// CuPy's cache key (a hash of the source text) changes whenever this file changes.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuattn {
+
+// ---- numeric traits ---------------------------------------------------------------
+// Store in T, accumulate in Acc<T>: float for 16-bit and float32 inputs, double for double.
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+template <typename T> using Acc = typename AccOf<T>::type;
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(unsigned char x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(Acc<T> x) { return x; }
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+// fmax ignores a NaN operand, so a NaN score never becomes a row's max; it still reaches
+// l and acc through exp2 and poisons only its own row, as in the reference.
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return -__longlong_as_double(0x7ff0000000000000LL);
+}
+
+constexpr double LOG2E = 1.4426950408889634;
+constexpr double LN2 = 0.6931471805599453;
+
+// Marks "no bias" in the BiasT template parameter of the attention kernels.
+struct NoBias {};
+template <typename X, typename Y> constexpr bool is_same_v = false;
+template <typename X> constexpr bool is_same_v<X, X> = true;
+__device__ __forceinline__ float to_acc(NoBias) { return 0.f; }
+
+// ---- attention parameter block ------------------------------------------------------
+// Passed by value. Every field is 8 bytes so that the C++ layout and the NumPy structured
+// dtype in cuattn/_kernels.py agree without padding rules. Pointers are device addresses
+// (0 = argument absent). Strides are in elements, per axis: three collapsed batch axes,
+// then the row axis, then the column axis; a broadcast axis has stride 0.
+struct Strides {
+    long long b0, b1, b2, row, col;
+};
+
+struct AttnParams {
+    long long q, k, v, out, lse, mask, bias;  // device addresses
+    long long batch1, batch2;                 // extents of batch axes 1 and 2 (axis 0 is implied)
+    long long seqlen_q, seqlen_k, head_dim, head_dim_v;
+    long long window_left, window_right;      // -1: unbounded; causal is window_right = 0
+    long long num_m_blocks, num_dv_tiles;     // grid decomposition, computed in Python
+    double scale;                             // softmax scale (natural units)
+    double softcap;                           // 0: no softcap
+    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s;
+};
+
+// Offset of element (b, row, col) of a tensor described by strides s, where b is the
+// flattened batch index decomposed with the extents batch1, batch2.
+__device__ __forceinline__ long long batch_offset(const Strides& s, long long b,
+                                                  long long batch1, long long batch2) {
+    const long long b2 = b % batch2;
+    const long long b01 = b / batch2;
+    return (b01 / batch1) * s.b0 + (b01 % batch1) * s.b1 + b2 * s.b2;
+}
+
+// Is key column j allowed for query row i under causal/window? off = seqlen_k - seqlen_q
+// aligns the band to the bottom-right corner (API.md, semantics step 4).
+__device__ __forceinline__ bool in_window(long long i, long long j, long long off,
+                                          long long left, long long right) {
+    const long long center = i + off;
+    return (left < 0 || j >= center - left) && (right < 0 || j <= center + right);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,196 @@
+"""GPU kernel families against the float64 reference, with the accuracy rule.
+
+Every family × dtype × feature, on ragged shapes, with the output poisoned (NaN) first.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+from _accuracy import assert_accurate, poison, to_host
+
+from cuattn._dispatch import FAMILIES
+from cuattn.attention import _attention
+from cuattn.reference import attention_reference, naive_attention
+
+pytestmark = pytest.mark.gpu
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+FAMILY_NAMES = [f.name for f in FAMILIES]
+SHAPES = [  # (Sq, Sk, D, Dv)
+    (1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
+    (1023, 1025, 128, 128), (1025, 1023, 64, 64), (130, 70, 256, 256), (33, 65, 512, 512),
+    (40, 50, 64, 24),
+]
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def _run(family, q, k, v, **kw):
+    cp = _cp()
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    extra = {n: cp.asarray(kw.pop(n)) for n in ("mask", "bias") if n in kw}
+    out = poison(cp.empty(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+                          + (q.shape[-2], v.shape[-1]), q.dtype))
+    got, lse = _attention(*dev, kernel=family, out=out, return_lse=True, **kw, **extra)
+    assert got is out
+    return to_host(got), to_host(lse)
+
+
+def _check(family, q, k, v, **kw):
+    got, lse = _run(family, q, k, v, **dict(kw))
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    assert_accurate(got, ref, naive_attention(q, k, v, **kw))
+    tol = 1e-10 if q.dtype == np.float64 else 2e-3
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes(family, dtype, shape):
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq * 7 + sk)
+    b = (1, 2) if sq * sk > 500_000 else (2, 3)
+    q, k, v = _rand(rng, b + (sq, d), dtype), _rand(rng, b + (sk, d), dtype), \
+        _rand(rng, b + (sk, dv), dtype)
+    _check(family, q, k, v)
+
+
+FEATURES = {
+    "causal": lambda rng, sq, sk: {"causal": True},
+    "window": lambda rng, sq, sk: {"window": (37, 5)},
+    "causal_window": lambda rng, sq, sk: {"causal": True, "window": (64, None)},
+    "softcap": lambda rng, sq, sk: {"softcap": 2.5, "scale": 0.3},
+    "mask_full": lambda rng, sq, sk: {"mask": rng.random((2, 3, sq, sk)) > 0.4},
+    "mask_keypad": lambda rng, sq, sk: {"mask": rng.random((2, 1, 1, sk)) > 0.2},
+    "mask_rows": lambda rng, sq, sk: {"mask": rng.random((sq, 1)) > 0.2},
+    "bias_f32": lambda rng, sq, sk: {"bias": rng.standard_normal((3, sq, sk)).astype(np.float32)},
+    "bias_f16": lambda rng, sq, sk: {"bias": rng.standard_normal((sq, sk)).astype(np.float16)},
+    "all": lambda rng, sq, sk: {"causal": True, "softcap": 5.0, "window": (90, 0),
+                                "mask": rng.random((2, 1, sq, sk)) > 0.1,
+                                "bias": rng.standard_normal((1, 3, 1, sk)).astype(np.float64)},
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("sq,sk", [(203, 203), (113, 257)])
+def test_features(family, dtype, feature, sq, sk):
+    rng = np.random.default_rng(sq + sk)
+    d = 64
+    q, k, v = _rand(rng, (2, 3, sq, d), dtype), _rand(rng, (2, 3, sk, d), dtype), \
+        _rand(rng, (2, 3, sk, d), dtype)
+    _check(family, q, k, v, **FEATURES[feature](rng, sq, sk))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fully_masked_rows_give_zero_and_minus_inf(family):
+    rng = np.random.default_rng(0)
+    q, k, v = (_rand(rng, (2, 70, 64), np.float32) for _ in range(3))
+    mask = np.ones((70, 70), bool)
+    mask[5] = False
+    mask[66] = False
+    got, lse = _run(family, q, k, v, mask=mask)
+    assert np.all(got[:, [5, 66]] == 0) and np.all(lse[:, [5, 66]] == -np.inf)
+    assert np.isfinite(got).all()
+    got, lse = _run(family, q, k[:, :0], v[:, :0])  # Sk == 0
+    assert np.all(got == 0) and np.all(lse == -np.inf)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_nan_input_is_confined_to_its_row(family):
+    rng = np.random.default_rng(1)
+    q, k, v = (_rand(rng, (2, 130, 64), np.float32) for _ in range(3))
+    q[1, 77, 3] = np.nan
+    got, _ = _run(family, q, k, v)
+    bad = np.isnan(got).any(axis=-1)
+    assert bad[1, 77] and bad.sum() == 1
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_strided_views_gqa_and_bshd(family):
+    cp = _cp()
+    rng = np.random.default_rng(2)
+    b, s, hkv, g, d = 2, 150, 2, 4, 64
+    q_bshd = cp.asarray(_rand(rng, (b, s, hkv * g, d), np.float16))
+    kv = cp.asarray(_rand(rng, (b, s, 2, hkv, d), np.float16))  # packed k and v
+    q = q_bshd.swapaxes(-2, -3).reshape(b, hkv, g, s, d)  # a view? reshape keeps strides
+    k = kv[:, :, 0].swapaxes(-2, -3)[:, :, None]  # (b, hkv, 1, s, d), no copy
+    v = kv[:, :, 1].swapaxes(-2, -3)[:, :, None]
+    assert k.base is not None
+    got = _attention(q, k, v, kernel=family, causal=True)
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    ref, _ = attention_reference(qh, kh, vh, causal=True)
+    assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_many_batch_axes_and_empty(family):
+    cp = _cp()
+    rng = np.random.default_rng(3)
+    q = _rand(rng, (2, 1, 3, 1, 2, 20, 32), np.float32)
+    k = _rand(rng, (1, 2, 1, 2, 1, 30, 32), np.float32)
+    v = _rand(rng, (2, 2, 3, 2, 2, 30, 32), np.float32)[..., ::2, :]  # strided rows
+    got = _attention(*(cp.asarray(x) for x in (q, k, v)), kernel=family)
+    ref, _ = attention_reference(q, k, v)
+    assert_accurate(got, ref, naive_attention(q, k, v))
+    empty = _attention(cp.zeros((0, 4, 8, 32), np.float32), cp.zeros((0, 4, 9, 32), np.float32),
+                       cp.zeros((0, 4, 9, 32), np.float32), kernel=family)
+    assert empty.shape == (0, 4, 8, 32)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_runs_on_the_current_stream(family):
+    cp = _cp()
+    rng = np.random.default_rng(4)
+    q, k, v = (_rand(rng, (2, 300, 64), np.float32) for _ in range(3))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
+        got = _attention(dq, dk, dv, kernel=family)
+        host = cp.asnumpy(got, stream=stream)
+    stream.synchronize()
+    ref, _ = attention_reference(q, k, v)
+    assert_accurate(host, ref, naive_attention(q, k, v))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_dlpack_inputs_from_torch(family):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    got = _attention(q, k, v, kernel=family, causal=True)
+    assert got.dtype == ml_dtypes.bfloat16
+    qh, kh, vh = (x.float().cpu().numpy().astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    ref, _ = attention_reference(qh, kh, vh, causal=True)
+    assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
+
+
+def test_memory_is_linear_in_sequence_length():
+    cp = _cp()
+    pool = cp.get_default_memory_pool()
+    q = cp.random.standard_normal((1, 4, 8192, 64), dtype=cp.float32)
+    out = cp.empty_like(q)
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    _attention(q, q, q, out=out)
+    cp.cuda.Device().synchronize()
+    assert pool.total_bytes() - before == 0  # nothing beyond the caller's out
+
+
+def test_public_attention_on_cupy_is_cupy():
+    cp = _cp()
+    import cuattn
+    x = cp.ones((2, 8, 16), cp.float32)
+    y = cuattn.attention(x, x, x)
+    assert isinstance(y, cp.ndarray) and y.shape == (2, 8, 16)
+    np.testing.assert_allclose(to_host(y), 1.0, rtol=1e-6)

@@ -1,0 +1,33 @@
+"""The NVRTC resource gate: every kernel instance that dispatch can pick compiles for sm_80
+and sm_90 without a GPU, and the fast ones do not spill."""
+import pytest
+
+from cuattn._dispatch import forward_instances
+from cuattn._gate import compile_instance
+
+VECTOR_ADD = [("vector_add.cu", f"vector_add<{t}>", True)
+              for t in ("__half", "__nv_bfloat16", "float", "double", "int", "long long")]
+INSTANCES = VECTOR_ADD + forward_instances()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("filename,expr,fast", INSTANCES, ids=[e for _, e, _ in INSTANCES])
+def test_instance_compiles_without_spills(arch, filename, expr, fast):
+    res = compile_instance(filename, expr, arch)
+    assert res.registers > 0
+    if fast:
+        assert not res.spills, f"{expr} spills on {arch}:\n{res.log}"
+        assert res.stack_frame == 0, f"{expr} uses a stack frame on {arch}:\n{res.log}"
+
+
+def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
+    import shutil
+
+    from cuattn._kernels import kernel_dir
+    for f in kernel_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "vector_add.cu").write_text((tmp_path / "vector_add.cu").read_text()
+                                            + "\nthis is not C++;\n")
+    monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="vector_add.cu"):
+        compile_instance("vector_add.cu", "vector_add<float>", "sm_90")
