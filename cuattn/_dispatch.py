@@ -89,10 +89,13 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
     return elems * acc_itemsize
 
 
-def _portable(call_dtype: np.dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask):
+def _portable(call_dtype: np.dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask,
+              tiles: Tiles | None = None):
     name = np.dtype(call_dtype).name
     head = max(head_dim, head_dim_v)
-    tiles = next(t for dtypes, max_d, t, _ in PORTABLE_TILES if name in dtypes and head <= max_d)
+    if tiles is None:
+        tiles = next(t for dtypes, max_d, t, _ in PORTABLE_TILES
+                     if name in dtypes and head <= max_d)
     acc_itemsize = 8 if name == "float64" else 4
     vec = 16 // acc_itemsize
     d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
@@ -110,8 +113,10 @@ def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> 
             and max(call.head_dim, call.head_dim_v) <= family.max_head_dim)
 
 
-def forward_kernel(call: AttentionCall, cc: tuple[int, int], kernel: str | None = None):
-    """The kernel instance that serves a validated forward call on a GPU of capability cc."""
+def forward_kernel(call: AttentionCall, cc: tuple[int, int], kernel: str | None = None,
+                   tiles: Tiles | None = None):
+    """The kernel instance that serves a validated forward call on a GPU of capability cc.
+    ``tiles`` overrides the table's tile sizes (tile sweeps, tools/sweep_portable.py)."""
     forced = kernel or os.environ.get("CUATTN_KERNEL") or None
     names = [f.name for f in FAMILIES]
     if forced is not None and forced not in names:
@@ -123,7 +128,7 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], kernel: str | None 
         if _family_serves(family, call, cc):
             bias_dtype = None if call.bias is None else call.bias.dtype
             return _portable(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                             call.mask is not None)
+                             call.mask is not None, tiles)
     raise NotImplementedError(
         f"no kernel family serves {call.dtype} with head dims ({call.head_dim}, "
         f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"

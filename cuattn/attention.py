@@ -89,17 +89,18 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     return (out, lse) if call.return_lse else out
 
 
-def _forward(call: AttentionCall, kernel: str | None = None):
-    """Run a validated call on its backend; ``kernel`` forces a GPU family (tests)."""
+def _forward(call: AttentionCall, kernel: str | None = None, tiles=None):
+    """Run a validated call on its backend; ``kernel`` forces a GPU family (tests) and
+    ``tiles`` overrides the dispatch table's tile sizes (sweeps)."""
     if call.xp is np:
         return _cpu.attention_forward(call)
-    return _forward_gpu(call, kernel)
+    return _forward_gpu(call, kernel, tiles)
 
 
-def _attention(q, k, v, *, kernel=None, **kwargs):
-    """The private dispatcher: :func:`attention` with a forced kernel family."""
+def _attention(q, k, v, *, kernel=None, tiles=None, **kwargs):
+    """The private dispatcher: :func:`attention` with a forced kernel family or tiles."""
     call = check_attention(q, k, v, **kwargs)
-    out, lse = _forward(call, kernel)
+    out, lse = _forward(call, kernel, tiles)
     return (out, lse) if call.return_lse else out
 
 
@@ -126,7 +127,7 @@ def _collapse_batch(batch_shape, strides_per_array):
     return merged
 
 
-def _forward_gpu(call: AttentionCall, kernel: str | None):
+def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     cupy = call.xp
     with call.q.device:
         out = call.out if call.out is not None else cupy.empty(call.out_shape, call.dtype)
@@ -135,7 +136,7 @@ def _forward_gpu(call: AttentionCall, kernel: str | None):
         if nbatch == 0 or call.seqlen_q == 0:
             return out, lse
         cc = cupy.cuda.Device().compute_capability  # e.g. "90"
-        choice = _dispatch.forward_kernel(call, (int(cc[:-1]), int(cc[-1])), kernel)
+        choice = _dispatch.forward_kernel(call, (int(cc[:-1]), int(cc[-1])), kernel, tiles)
         fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
 
         batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)

@@ -82,9 +82,8 @@ def vector_add(a, b, out=None):
         n = c.size
         if n:
             fn = get_kernel("vector_add.cu", f"vector_add<{c_type_name(dtype)}>")
-            work = -(-n // (16 // dtype.itemsize))  # one 16-byte pack per thread step
-            sms = xp.cuda.Device().attributes["MultiProcessorCount"]
-            blocks = max(1, min(-(-work // _THREADS), sms * 16))
+            packs = -(-n // (16 // dtype.itemsize))  # 16-byte packs, 4 per thread (.cu)
+            blocks = max(1, min(-(-packs // (_THREADS * 4)), 2**31 - 1))
             fn((blocks,), (_THREADS,), (ops[0], ops[1], c, np.int64(n)))
         if out is not None and not direct:
             out[...] = c

@@ -53,18 +53,20 @@ __device__ __forceinline__ void lds16(A (&dst)[N], const A* src) {
 
 // Copy a ROWS x COLS tile of a strided global tensor into shared memory (row pitch
 // COLS + PAD), converting to the accumulator type. Elements outside [0, nrows) x [0, ncols)
-// become 0 so that partial tiles contribute nothing to the dot products.
+// become 0 so that partial tiles contribute nothing to the dot products. Each thread keeps
+// one column and walks rows THREADS / COLS apart, so its address advances by one add.
 template <int ROWS, int COLS, int PAD, typename T, typename A>
 __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_stride,
                                           long long col_stride, long long nrows,
                                           long long ncols) {
+    static_assert(THREADS % COLS == 0, "a tile row must divide the block");
+    constexpr int ROW_STEP = THREADS / COLS;
+    const int c = threadIdx.x % COLS;  // consecutive threads: consecutive columns
+    const bool col_ok = c < ncols;
+    const T* ptr = src + (threadIdx.x / COLS) * row_stride + c * col_stride;
 #pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
-        const int r = idx / COLS, c = idx % COLS;  // consecutive threads: consecutive columns
-        A x = A(0);
-        if (r < nrows && c < ncols) x = to_acc(src[r * row_stride + c * col_stride]);
-        dst[r * (COLS + PAD) + c] = x;
-    }
+    for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride)
+        dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? to_acc(*ptr) : A(0);
 }
 
 // s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
@@ -90,13 +92,23 @@ __device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_
 
 // Turn raw dot products into log2-unit scores: scale (with softcap), bias, mask. Disallowed
 // positions (outside the sequence, the causal/window band or the bool mask) become -inf.
+// `interior` (block-uniform) says the whole tile lies inside the sequences and the band
+// and no bool mask is read: then only the scaling (and bias) is applied.
 template <int TM, int TN, bool HAS_MASK, typename A, typename BiasT>
 __device__ __forceinline__ void mask_scores(A (&s)[TM][TN], const AttnParams& p,
                                             long long row0, long long col0, int tx,
-                                            const unsigned char* mask, const BiasT* bias) {
+                                            bool interior, const unsigned char* mask,
+                                            const BiasT* bias) {
     const A scale_log2 = A(p.scale * LOG2E);
     const A softcap = A(p.softcap);
     const A cap_over_scale = p.softcap > 0 ? A(p.scale / p.softcap) : A(0);
+    if (interior && softcap == A(0) && is_same_v<BiasT, NoBias>) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) s[i][j] *= scale_log2;
+        return;
+    }
     const long long off = p.seqlen_k - p.seqlen_q;
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -254,7 +266,11 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
             __syncthreads();  // every thread is done with this chunk before it is overwritten
         }
-        mask_scores<TM, TN, HAS_MASK>(s, p, m0 + ty * TM, n0, tx, mask, bias);
+        // interior tile: inside both sequences and inside the band for every row of the block
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
+                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        mask_scores<TM, TN, HAS_MASK>(s, p, m0 + ty * TM, n0, tx, interior, mask, bias);
         A alpha[TM];
         update_row_state(s, m, l, alpha);
 #pragma unroll

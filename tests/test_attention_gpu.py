@@ -136,7 +136,7 @@ def test_many_batch_axes_and_empty(family):
     rng = np.random.default_rng(3)
     q = _rand(rng, (2, 1, 3, 1, 2, 20, 32), np.float32)
     k = _rand(rng, (1, 2, 1, 2, 1, 30, 32), np.float32)
-    v = _rand(rng, (2, 2, 3, 2, 2, 30, 32), np.float32)[..., ::2, :]  # strided rows
+    v = _rand(rng, (2, 2, 3, 2, 2, 60, 32), np.float32)[..., ::2, :]  # strided rows
     got = _attention(*(cp.asarray(x) for x in (q, k, v)), kernel=family)
     ref, _ = attention_reference(q, k, v)
     assert_accurate(got, ref, naive_attention(q, k, v))

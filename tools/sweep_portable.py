@@ -1,0 +1,49 @@
+"""Tile sweep of the portable attention family: one GPU run, every candidate timed.
+
+    PYTHONPATH=. python tools/sweep_portable.py
+
+Prints TFLOP/s per (dtype, shape, tiles); the winners go into
+cuattn/_dispatch.py::PORTABLE_TILES with the measured reason.
+"""
+import math
+
+import cupy as cp
+
+from cuattn._dispatch import Tiles
+from cuattn.attention import _attention
+from cuattn.bench import _time
+
+CANDIDATES = {
+    ("float32", 64): [Tiles(64, 64, 64, 64, 2), Tiles(128, 64, 64, 64, 1),
+                      Tiles(64, 128, 64, 64, 1), Tiles(128, 128, 64, 64, 1)],
+    ("float32", 128): [Tiles(64, 64, 128, 128, 1), Tiles(64, 64, 128, 128, 2),
+                       Tiles(128, 64, 128, 128, 1), Tiles(64, 64, 128, 64, 2)],
+    ("float64", 64): [Tiles(64, 64, 64, 64, 1), Tiles(64, 32, 64, 64, 1),
+                      Tiles(32, 64, 64, 64, 2), Tiles(128, 64, 64, 64, 1)],
+    ("float64", 128): [Tiles(64, 64, 128, 128, 1), Tiles(64, 32, 128, 128, 1),
+                       Tiles(64, 64, 64, 64, 1)],
+}
+
+
+def main():
+    print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for (dtype, d), cands in CANDIDATES.items():
+        b, h, s = (4, 16, 4096) if dtype == "float32" else (1, 16, 4096)
+        q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
+        for causal in (False, True):
+            flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            for tiles in cands:
+                label = (f"M{tiles.block_m} N{tiles.block_n} Dt{tiles.d_tile} "
+                         f"Dv{tiles.dv_tile} mb{tiles.min_blocks}")
+                try:
+                    ms = _time(lambda: _attention(q, k, v, causal=causal, tiles=tiles), cp,
+                               max_reps=10, budget_s=0.5)
+                    rate = f"{flops / ms / 1e9:8.1f}"
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    ms, rate = math.nan, f"{type(exc).__name__}"
+                print(f"{dtype:8s} {str((b, h, s, d)):22s} {str(causal):6s} {label:32s} "
+                      f"{ms:8.3f} {rate}")
+
+
+if __name__ == "__main__":
+    main()
