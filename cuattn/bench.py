@@ -107,16 +107,20 @@ def _time(fn, cupy, *, warmup=3, max_reps=50, budget_s=1.5) -> float:
 
 
 def _peak_extra_mb(fn, cupy, torch) -> float:
-    pool = cupy.get_default_memory_pool()
+    """Peak extra device memory of one call: CuPy allocations go to a fresh pool that keeps
+    every freed block, so its size afterwards is the call's high-water mark; PyTorch's own
+    peak counter covers the torch peers."""
+    pool = cupy.cuda.MemoryPool()
     cupy.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
     if torch is not None:
         torch.cuda.reset_peak_memory_stats()
         t_before = torch.cuda.memory_allocated()
-    fn()
-    cupy.cuda.Device().synchronize()
-    extra = pool.total_bytes() - before
+    with cupy.cuda.using_allocator(pool.malloc):
+        result = fn()
+        cupy.cuda.Device().synchronize()
+        del result
+    extra = pool.total_bytes()
+    pool.free_all_blocks()
     if torch is not None:
         extra += torch.cuda.max_memory_allocated() - t_before
     return extra / 2**20
@@ -236,6 +240,10 @@ def _vector_add_rows(case: Case, cupy, torch):
             rows.append(Row(name, ms, moved / ms / 1e6, 0.0))
         except Exception as exc:  # noqa: BLE001
             rows.append(Row(name, note=f"{type(exc).__name__}: {exc}"[:90]))
+    by = {r.impl: r for r in rows}
+    if by["cuattn"].rate and by["device copy"].rate:
+        by["cuattn"].note = (f"{100 * by['cuattn'].rate / by['device copy'].rate:.1f}% of the "
+                             f"device-copy bandwidth")
     return rows
 
 
@@ -266,6 +274,8 @@ def _format(results: list[Result]) -> str:
                     cells.append(f"{row.rate:.1f} ({row.ms / ours.ms:.2f}x)")
             cells.append("—" if ours is None or ours.extra_mb is None else f"{ours.extra_mb:.1f}")
             lines.append("| " + " | ".join(cells) + " |")
+            if ours is not None and ours.note:
+                lines.append(f"|   ↳ cuattn: {ours.note} |" + " |" * (len(header) - 1))
     return "\n".join(lines)
 
 

@@ -1,0 +1,52 @@
+"""The loader finds and inlines the kernel sources; the wheel ships them."""
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from cuattn._kernels import kernel_dir, read_source
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sources_found_and_headers_inlined():
+    assert (kernel_dir() / "common.cuh").is_file()
+    text = read_source("attention_portable.cu")
+    assert '#include "common.cuh"' not in text and "struct AttnParams" in text
+    assert text.count("struct AttnParams {") == 1  # each header once
+
+
+def test_kernel_dir_override(tmp_path, monkeypatch):
+    (tmp_path / "common.cuh").write_text("#pragma once\n// edited header\n")
+    (tmp_path / "vector_add.cu").write_text('#include "common.cuh"\n// edited kernel\n')
+    monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
+    assert kernel_dir() == tmp_path
+    assert "edited header" in read_source("vector_add.cu")
+    monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="CUATTN_KERNEL_DIR"):
+        kernel_dir()
+
+
+def test_params_layout_matches_the_cuda_struct():
+    from cuattn._kernels import ATTN_PARAMS_DTYPE
+    text = read_source("attention_portable.cu")
+    start = text.index("struct AttnParams {")
+    struct = text[start:text.index("};", start)]
+    fields = []
+    for match in re.finditer(r"^\s*(?:long long|double|Strides)\s+([^;]+);", struct, re.M):
+        fields += [f.strip() for f in match.group(1).split(",")]
+    assert fields == list(ATTN_PARAMS_DTYPE.names)
+    assert ATTN_PARAMS_DTYPE.itemsize == 8 * 19 + 7 * 5 * 8
+
+
+@pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="not a source checkout")
+def test_wheel_contains_kernel_sources(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
+                    str(ROOT)], check=True)
+    wheel = next(tmp_path.glob("cuattn-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in (ROOT / "cuda").glob("*.cu*"):
+        assert f"cuattn/cuda/{path.name}" in names
