@@ -85,12 +85,15 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
-def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: int) -> int:
+def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: int,
+                        pipelined: bool) -> int:
     """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
     pad = 16 // acc_itemsize
-    kv_cols = max(d_tile, dv_tile)
-    elems = (tiles.block_m * (d_tile + pad) + tiles.block_n * (kv_cols + pad)
-             + tiles.block_m * (tiles.block_n + pad))
+    if pipelined:
+        kv = 2 * tiles.block_n * (d_tile + pad) + 2 * tiles.block_n * (dv_tile + pad)
+    else:
+        kv = tiles.block_n * (max(d_tile, dv_tile) + pad)
+    elems = tiles.block_m * (d_tile + pad) + kv + tiles.block_m * (tiles.block_n + pad)
     return elems * acc_itemsize
 
 
@@ -105,12 +108,15 @@ def _portable(call_dtype: np.dtype, head_dim: int, head_dim_v: int, bias_dtype, 
     vec = 16 // acc_itemsize
     d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
     dv_tile = min(_pow2_at_least(head_dim_v, 16 * vec), tiles.dv_tile)
+    # cp.async double buffering copies float32/float64 tiles as they are, when Q fits one
+    # chunk; 16-bit inputs are converted to float on their way into shared memory
+    pipelined = name in ("float32", "float64") and head_dim <= d_tile
     bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "
-            f"{'true' if has_mask else 'false'}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
-            f"{dv_tile}, {tiles.min_blocks}>")
+            f"{str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
+            f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}>")
     return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile,
-                        portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize))
+                        portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize, pipelined))
 
 
 def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> bool:

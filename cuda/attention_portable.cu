@@ -22,10 +22,13 @@
 //             Nothing of size Sq x Sk is written to global memory.
 // Template:   T storage type; BiasT bias storage type (NoBias: no bias); HAS_MASK whether a
 //             bool mask is read (both compile out of the plain path, which saves registers);
+//             PIPELINED: K and V tiles arrive by cp.async one tile ahead, double-buffered
+//             (float32/float64 with D <= D_TILE; 16-bit inputs convert on load instead);
 //             BLOCK_M, BLOCK_N tile rows of Q and K; D_TILE contraction chunk; DV_TILE output
 //             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__.
-// Shared mem: (BLOCK_M*(D_TILE+PAD) + BLOCK_N*(max(D_TILE, DV_TILE)+PAD)
-//             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>), PAD = 16 bytes of Acc<T>;
+// Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
+//             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
+//             2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_N*(DV_TILE+PAD) when PIPELINED;
 //             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
 // Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
 //             (this loop, in NumPy).
@@ -67,6 +70,35 @@ __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_st
 #pragma unroll 4
     for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride)
         dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? to_acc(*ptr) : A(0);
+}
+
+// load_tile through cp.async (sm_80+): the copy runs in the background until
+// cp_async_wait; elements outside the tile's valid range are zero-filled (src-size 0).
+// Only for T == A (float32, float64): 16-bit inputs are converted on load instead.
+template <int ROWS, int COLS, int PAD, typename A>
+__device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long row_stride,
+                                                long long col_stride, long long nrows,
+                                                long long ncols) {
+    static_assert(THREADS % COLS == 0, "a tile row must divide the block");
+    constexpr int ROW_STEP = THREADS / COLS;
+    const int c = threadIdx.x % COLS;
+    const bool col_ok = c < ncols;
+    const A* ptr = src + (threadIdx.x / COLS) * row_stride + c * col_stride;
+#pragma unroll 4
+    for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride) {
+        const unsigned dst_addr =
+            static_cast<unsigned>(__cvta_generic_to_shared(dst + r * (COLS + PAD) + c));
+        const bool ok = col_ok && r < nrows;
+        // an invalid element reads 0 bytes; the address must still be a global one
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr),
+                     "l"(ok ? ptr : src), "n"(sizeof(A)), "r"(ok ? (int)sizeof(A) : 0));
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
 // s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
@@ -195,9 +227,10 @@ __device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N, int D_TILE,
-          int DV_TILE, int MIN_BLOCKS>
+          int DV_TILE, int MIN_BLOCKS, bool PIPELINED>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(const AttnParams p) {
     using A = Acc<T>;
+    static_assert(!PIPELINED || sizeof(T) == sizeof(A), "the cp.async pipeline copies T as is");
     constexpr int VEC = 16 / sizeof(A);
     constexpr int PAD = VEC;
     constexpr int TM = BLOCK_M / 16, TN = BLOCK_N / 16, TV = DV_TILE / 16;
@@ -205,10 +238,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % 16 == 0 &&
                   DV_TILE % (16 * VEC) == 0, "tile sizes must be multiples of 16 (DV_TILE of 16*VEC)");
 
+    // Shared memory. Pipelined: Q, two K stages, two V stages, P. Otherwise: Q, one buffer
+    // that holds K and then V, P.
+    constexpr int K_ELEMS = BLOCK_N * (D_TILE + PAD), V_ELEMS = BLOCK_N * (DV_TILE + PAD);
+    constexpr int KV_ELEMS = PIPELINED ? 2 * (K_ELEMS + V_ELEMS) : BLOCK_N * (KV_COLS + PAD);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* q_s = reinterpret_cast<A*>(smem_raw);                // [BLOCK_M][D_TILE + PAD]
-    A* kv_s = q_s + BLOCK_M * (D_TILE + PAD);               // K [BLOCK_N][D_TILE + PAD], then V
-    A* p_s = kv_s + BLOCK_N * (KV_COLS + PAD);              // [BLOCK_M][BLOCK_N + PAD]
+    A* kv_s = q_s + BLOCK_M * (D_TILE + PAD);               // see above
+    A* p_s = kv_s + KV_ELEMS;                               // [BLOCK_M][BLOCK_N + PAD]
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -236,9 +273,25 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 
     const long long rows_q = p.seqlen_q - m0;
     const int num_d_chunks = (int)((p.head_dim + D_TILE - 1) / D_TILE);
-    // Q stays in shared memory for the whole loop when the head dim fits one chunk; the
-    // first loop iteration's barrier makes it visible.
-    if (num_d_chunks == 1) load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+    // K and V of key tile n0 into stage `st` of the pipeline (one cp.async group)
+    auto request_kv = [&](long long n0, int st) {
+        if constexpr (PIPELINED) {
+            load_tile_async<BLOCK_N, D_TILE, PAD>(kv_s + st * K_ELEMS, k + n0 * p.k_s.row,
+                                                  p.k_s.row, p.k_s.col, p.seqlen_k - n0, p.head_dim);
+            load_tile_async<BLOCK_N, DV_TILE, PAD>(kv_s + 2 * K_ELEMS + st * V_ELEMS,
+                                                   v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
+                                                   p.seqlen_k - n0, p.head_dim_v - c0);
+        }
+    };
+    // Q stays in shared memory for the whole loop when the head dim fits one chunk (always
+    // so when pipelined); the first loop iteration's barrier makes it visible.
+    if constexpr (PIPELINED) {
+        load_tile_async<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+        if (n_lo < n_hi) request_kv(n_lo, 0);
+        cp_async_commit();
+    } else if (num_d_chunks == 1) {
+        load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+    }
 
     A m[TM], l[TM], acc[TM][TV];
 #pragma unroll
@@ -249,13 +302,23 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
         for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
     }
 
-    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N) {
+    int stage = 0;
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
         A s[TM][TN];
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) s[i][j] = A(0);
-        for (int dc = 0; dc < num_d_chunks; ++dc) {
+        if constexpr (PIPELINED) {
+            // fetch the next tile into the other stage while this one is computed; that
+            // stage was last read before the final barrier of the previous iteration
+            if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the group just issued has landed
+            __syncthreads();     // ... for every thread's copies: this tile's K and V
+            scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
+        }
+        for (int dc = 0; !PIPELINED && dc < num_d_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if (num_d_chunks > 1)
                 load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + d0 * p.q_s.col, p.q_s.row, p.q_s.col,
@@ -277,13 +340,17 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
         for (int i = 0; i < TM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) p_s[(ty * TM + i) * (BLOCK_N + PAD) + tx + 16 * j] = s[i][j];
-        // V reuses the K buffer: the barrier after the last score chunk freed it
-        load_tile<BLOCK_N, DV_TILE, PAD>(kv_s, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
-                                         p.seqlen_k - n0, p.head_dim_v - c0);
+        // not pipelined: V reuses the K buffer, which the barrier after the last score
+        // chunk freed
+        if constexpr (!PIPELINED)
+            load_tile<BLOCK_N, DV_TILE, PAD>(kv_s, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
+                                             p.seqlen_k - n0, p.head_dim_v - c0);
         __syncthreads();  // P and V are in shared memory
-        rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, kv_s, tx, ty);
+        const A* v_s = PIPELINED ? kv_s + 2 * K_ELEMS + stage * V_ELEMS : kv_s;
+        rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, v_s, tx, ty);
         __syncthreads();  // P and V are consumed before the next tile overwrites them
     }
+    if constexpr (PIPELINED) cp_async_wait<0>();  // no copy may outlive the block
 
     // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf (API.md 6).
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
