@@ -48,7 +48,8 @@ def cmd_info(args) -> int:
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for d in (64, 128):
             x = np.empty((1, d), ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-            choice = forward_kernel(check_attention(x, x, x), (int(cc[:-1]), int(cc[-1])))
+            choice = forward_kernel(check_attention(x, x, x), (int(cc[:-1]), int(cc[-1])),
+                                    dev.attributes["MaxSharedMemoryPerBlockOptin"])
             print(f"  {dtype:8s} D={d:<4d} -> {choice.family}: {choice.name_expression}")
     return 0
 

@@ -50,19 +50,24 @@ class Tiles:
     min_blocks: int
 
 
-#: Portable family: (dtypes, largest head dim, tiles, measured reason). First match wins.
+#: Portable family: (dtypes, largest head dim, candidate tiles in order of preference, the
+#: measurement behind the order). A call takes the first row that matches its dtype and head
+#: dims, then the first candidate whose shared memory fits the device; the last candidate of
+#: each row fits 48 KB, so every GPU gets one. Timings: H200, B4 H16 S4096 (fp32) and
+#: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_portable.py.
 PORTABLE_TILES = (
-    (("float16", "bfloat16", "float32"), 64, Tiles(128, 128, 64, 64, 1),
-     "H200 fp32 B4 H16 S4096 D64: 26.7 TFLOP/s vs 24.0 for 64x64 at 2 blocks/SM "
-     "(causal 23.0 vs 22.9); 254 registers, no spills"),
-    (("float16", "bfloat16", "float32"), 1024, Tiles(64, 64, 128, 128, 1),
-     "H200 fp32 D128: 26.6 TFLOP/s, as fast as 2 blocks/SM (which spills 24 B with mask+bias) "
-     "and than 128x64 (27.2, but 23.6 causal vs 26.1)"),
-    (("float64",), 64, Tiles(64, 64, 64, 64, 1),
-     "H200 fp64 B1 H16 S4096 D64: 9.8 TFLOP/s; 128x64 reaches 11.6 but spills 32 B at 255 "
-     "registers"),
-    (("float64",), 1024, Tiles(64, 64, 128, 128, 1),
-     "H200 fp64 D128: 11.2 TFLOP/s vs 9.3 for 64x32 and 7.0 with 64-wide chunks"),
+    (("float16", "bfloat16", "float32"), 64,
+     (Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2), Tiles(32, 32, 64, 64, 2)),
+     "fp32 D64 pipelined: 128x64 29.9 / 26.9, 64x64 26.9 / 25.2, 64x128 26.1 / 24.5"),
+    (("float16", "bfloat16", "float32"), 1024,
+     (Tiles(128, 32, 128, 128, 1), Tiles(64, 64, 128, 128, 1), Tiles(32, 32, 64, 64, 2)),
+     "fp32 D128 pipelined: 128x32 29.4 / 27.2, 64x64 26.7 / 25.7, 64x32 25.8 / 24.4"),
+    (("float64",), 64,
+     (Tiles(64, 64, 64, 64, 1), Tiles(32, 32, 64, 64, 1)),
+     "fp64 D64 pipelined: 64x64 11.4 / 9.9, 128x32 10.6 / 8.1, 64x32 9.6 / 8.5"),
+    (("float64",), 1024,
+     (Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 32, 32, 1)),
+     "fp64 D128 pipelined: 64x32 12.7 / 10.7, 32x32 8.1 / 8.0; 64x64 needs 358 KB"),
 )
 
 
@@ -97,26 +102,35 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
     return elems * acc_itemsize
 
 
-def _portable(call_dtype: np.dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask,
-              tiles: Tiles | None = None):
+def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+              cc: tuple[int, int], smem_limit: int, tiles: Tiles | None = None):
     name = np.dtype(call_dtype).name
     head = max(head_dim, head_dim_v)
-    if tiles is None:
-        tiles = next(t for dtypes, max_d, t, _ in PORTABLE_TILES
-                     if name in dtypes and head <= max_d)
     acc_itemsize = 8 if name == "float64" else 4
     vec = 16 // acc_itemsize
-    d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
-    dv_tile = min(_pow2_at_least(head_dim_v, 16 * vec), tiles.dv_tile)
-    # cp.async double buffering copies float32/float64 tiles as they are, when Q fits one
-    # chunk; 16-bit inputs are converted to float on their way into shared memory
-    pipelined = name in ("float32", "float64") and head_dim <= d_tile
+    # cp.async double buffering (sm_80+) copies float32/float64 tiles as they are, when Q
+    # fits one chunk; 16-bit inputs are converted to float on their way into shared memory
+    if tiles is None:
+        candidates = next(c for dtypes, max_d, c, _ in PORTABLE_TILES
+                          if name in dtypes and head <= max_d)
+    else:
+        candidates = (tiles,)
+    for tiles in candidates:
+        d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
+        dv_tile = min(_pow2_at_least(head_dim_v, 16 * vec), tiles.dv_tile)
+        pipelined = name in ("float32", "float64") and head_dim <= d_tile and cc >= (8, 0)
+        smem = portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize, pipelined)
+        if smem <= smem_limit:
+            break
+    else:
+        raise NotImplementedError(f"no portable tile configuration fits {smem_limit} bytes of "
+                                  f"shared memory for {name} with head dims {head_dim}, "
+                                  f"{head_dim_v}")
     bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "
             f"{str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
             f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}>")
-    return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile,
-                        portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize, pipelined))
+    return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile, smem)
 
 
 def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> bool:
@@ -124,10 +138,11 @@ def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> 
             and max(call.head_dim, call.head_dim_v) <= family.max_head_dim)
 
 
-def forward_kernel(call: AttentionCall, cc: tuple[int, int], kernel: str | None = None,
-                   tiles: Tiles | None = None):
-    """The kernel instance that serves a validated forward call on a GPU of capability cc.
-    ``tiles`` overrides the table's tile sizes (tile sweeps, tools/sweep_portable.py)."""
+def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
+                   kernel: str | None = None, tiles: Tiles | None = None):
+    """The kernel instance that serves a validated forward call on a GPU of capability cc
+    with ``smem_limit`` bytes of shared memory per block (after opt-in). ``tiles``
+    overrides the table's tile sizes (tile sweeps, tools/sweep_portable.py)."""
     forced = kernel or os.environ.get("CUATTN_KERNEL") or None
     names = [f.name for f in FAMILIES]
     if forced is not None and forced not in names:
@@ -139,27 +154,39 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], kernel: str | None 
         if _family_serves(family, call, cc):
             bias_dtype = None if call.bias is None else call.bias.dtype
             return _portable(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                             call.mask is not None, tiles)
+                             call.mask is not None, cc, smem_limit, tiles)
     raise NotImplementedError(
         f"no kernel family serves {call.dtype} with head dims ({call.head_dim}, "
         f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
         + (f" (forced: {forced!r})" if forced else ""))
 
 
-def forward_instances():
-    """Every (filename, name expression, fast) the dispatch table can pick, for the NVRTC
-    gate: each dtype × bias dtype × mask × head-dim class of each family."""
+#: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for
+GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_90": ((9, 0), 232448)}
+
+
+def forward_instances(arch: str):
+    """Every (filename, name expression, fast) that dispatch can pick on ``arch``, for the
+    NVRTC gate: each dtype × bias dtype × mask × head-dim class × tile candidate that fits.
+    Instances without mask and bias are the fast path: they must not spill."""
+    cc, limit = GATE_TARGETS[arch]
     seen = {}
-    for dtypes, max_d, _, _ in PORTABLE_TILES:
+    for dtypes, max_d, candidates, _ in PORTABLE_TILES:
         for name in dtypes:
-            for head in (32, 64, 128, max_d):
+            for head in sorted({32, 64, 128, max_d}):
                 if head > max_d:
                     continue
                 for bias in (None, name, "float32"):
                     for has_mask in (False, True):
-                        choice = _portable(np.dtype(_np_name(name)), head, head, bias and
-                                           np.dtype(_np_name(bias)), has_mask)
-                        seen[(choice.filename, choice.name_expression)] = False
+                        for tiles in candidates:
+                            try:
+                                choice = _portable(np.dtype(_np_name(name)), head, head,
+                                                   bias and np.dtype(_np_name(bias)), has_mask,
+                                                   cc, limit, tiles)
+                            except NotImplementedError:
+                                continue
+                            fast = bias is None and not has_mask
+                            seen[(choice.filename, choice.name_expression)] = fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 

@@ -6,6 +6,7 @@ launched here on the current stream with a parameter block of pointers and strid
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -127,6 +128,15 @@ def _collapse_batch(batch_shape, strides_per_array):
     return merged
 
 
+@functools.cache
+def _device_limits(device_id: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, opt-in shared memory per block) of a device."""
+    import cupy
+    dev = cupy.cuda.Device(device_id)
+    cc = dev.compute_capability  # e.g. "90"
+    return (int(cc[:-1]), int(cc[-1])), int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     cupy = call.xp
     with call.q.device:
@@ -135,8 +145,8 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
         nbatch = math.prod(call.batch_shape)
         if nbatch == 0 or call.seqlen_q == 0:
             return out, lse
-        cc = cupy.cuda.Device().compute_capability  # e.g. "90"
-        choice = _dispatch.forward_kernel(call, (int(cc[:-1]), int(cc[-1])), kernel, tiles)
+        cc, smem_limit = _device_limits(call.q.device.id)
+        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
         fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
 
         batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)

@@ -106,7 +106,7 @@ template <int TM, int TN, int D_TILE, int PAD, typename A>
 __device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_s, int tx,
                                        int ty) {
     constexpr int VEC = 16 / sizeof(A);
-#pragma unroll 1
+#pragma unroll 2
     for (int d = 0; d < D_TILE; d += VEC) {
         A qf[TM][VEC], kf[TN][VEC];
 #pragma unroll
@@ -203,7 +203,7 @@ __device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A
     for (int i = 0; i < TM; ++i)
 #pragma unroll
         for (int c = 0; c < TV; ++c) acc[i][c] *= alpha[i];
-#pragma unroll 1
+#pragma unroll 2
     for (int n = 0; n < BLOCK_N; n += VEC) {
         A pf[TM][VEC];
 #pragma unroll

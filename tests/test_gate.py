@@ -7,11 +7,12 @@ from cuattn._gate import compile_instance
 
 VECTOR_ADD = [("vector_add.cu", f"vector_add<{t}>", True)
               for t in ("__half", "__nv_bfloat16", "float", "double", "int", "long long")]
-INSTANCES = VECTOR_ADD + forward_instances()
+INSTANCES = [(arch, *inst) for arch in ("sm_80", "sm_90")
+             for inst in VECTOR_ADD + forward_instances(arch)]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("filename,expr,fast", INSTANCES, ids=[e for _, e, _ in INSTANCES])
+@pytest.mark.parametrize("arch,filename,expr,fast", INSTANCES,
+                         ids=[f"{a}-{e}" for a, _, e, _ in INSTANCES])
 def test_instance_compiles_without_spills(arch, filename, expr, fast):
     res = compile_instance(filename, expr, arch)
     assert res.registers > 0
