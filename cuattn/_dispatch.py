@@ -16,8 +16,8 @@ import numpy as np
 from ._checks import AttentionCall
 from ._kernels import c_type_name
 
-__all__ = ["FAMILIES", "PORTABLE_TILES", "Tiles", "KernelChoice", "forward_kernel",
-           "portable_smem_bytes", "forward_instances"]
+__all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "Tiles", "MmaTiles", "KernelChoice",
+           "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances"]
 
 THREADS = 256
 
@@ -35,6 +35,8 @@ class Family:
 #: Attention families, most preferred first. A call takes the first row whose compute
 #: capability, dtype and head dims it meets.
 FAMILIES = (
+    Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
+           "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature, head dims to 1024: the reference kernel"),
@@ -54,7 +56,7 @@ class Tiles:
 #: measurement behind the order). A call takes the first row that matches its dtype and head
 #: dims, then the first candidate whose shared memory fits the device; the last candidate of
 #: each row fits 48 KB, so every GPU gets one. Timings: H200, B4 H16 S4096 (fp32) and
-#: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_portable.py.
+#: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_tiles.py.
 PORTABLE_TILES = (
     (("float16", "bfloat16", "float32"), 64,
      (Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2), Tiles(32, 32, 64, 64, 2)),
@@ -68,6 +70,24 @@ PORTABLE_TILES = (
     (("float64",), 1024,
      (Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 32, 32, 1)),
      "fp64 D128 pipelined, unroll 2: 64x32 12.7 / 11.4, 32x32 8.8 / 8.6; 64x64 needs 358 KB"),
+)
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    block_m: int   # 16 query rows per warp: NUM_WARPS = block_m // 16
+    block_n: int
+
+
+#: mma family: (largest head dim, candidate tiles in order of preference, measured reason).
+#: Head dims are padded to a multiple of 64 inside the kernel (zero-filled in shared memory).
+MMA_TILES = (
+    (64, (MmaTiles(64, 64), MmaTiles(128, 128)),
+     "first guess: 4 warps at 159 registers allow 3 blocks/SM (ptxas, sm_90)"),
+    (128, (MmaTiles(128, 64), MmaTiles(64, 64)),
+     "first guess: 8 warps, 229 registers, 1 block/SM; 128x128 spills 8 B"),
+    (256, (MmaTiles(64, 64), MmaTiles(64, 32)),
+     "first guess: 255 registers without spills; 8 warps spill 232 B"),
 )
 
 
@@ -133,6 +153,52 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile, smem)
 
 
+def mma_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
+    """Dynamic shared memory of attention_fwd_mma (see the .cu header)."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * itemsize
+
+
+def _ceil64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+         aligned: bool, smem_limit: int, tiles: MmaTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in MMA_TILES if head <= max_d)
+    for tiles in candidates:
+        smem = mma_smem_bytes(tiles, hd, hdv)
+        if smem <= smem_limit:
+            break
+    else:
+        raise NotImplementedError(f"no mma tile configuration fits {smem_limit} bytes of "
+                                  f"shared memory for head dims {head_dim}, {head_dim_v}")
+    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+    expr = (f"attention_fwd_mma<{c_type_name(call_dtype)}, {bias_t}, {str(has_mask).lower()}, "
+            f"{hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 16}, {str(aligned).lower()}>")
+    return KernelChoice("mma", "attention_mma.cu", expr,
+                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.block_m * 2)
+
+
+def mma_aligned(call: AttentionCall) -> bool:
+    """May the mma family copy q, k, v in 16-byte chunks? Unit column strides, every other
+    stride a multiple of 8 elements, 16-byte aligned pointers, head dims multiples of 8."""
+    if call.head_dim % 8 or call.head_dim_v % 8:
+        return False
+    for x in (call.q, call.k, call.v):
+        strides = [st // x.itemsize for st in x.strides]
+        if x.shape[-1] > 1 and strides[-1] != 1:
+            return False
+        if any(st % 8 for st, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
+            return False
+        if x.data.ptr % 16:
+            return False
+    return True
+
+
 def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> bool:
     return (cc >= family.min_cc and call.dtype.name in family.dtypes
             and max(call.head_dim, call.head_dim_v) <= family.max_head_dim)
@@ -142,19 +208,23 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                    kernel: str | None = None, tiles: Tiles | None = None):
     """The kernel instance that serves a validated forward call on a GPU of capability cc
     with ``smem_limit`` bytes of shared memory per block (after opt-in). ``tiles``
-    overrides the table's tile sizes (tile sweeps, tools/sweep_portable.py)."""
+    overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py)."""
     forced = kernel or os.environ.get("CUATTN_KERNEL") or None
     names = [f.name for f in FAMILIES]
     if forced is not None and forced not in names:
         raise NotImplementedError(f"kernel family {forced!r} is not in this build; "
                                   f"available: {', '.join(names)}")
+    bias_dtype = None if call.bias is None else call.bias.dtype
     for family in FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if _family_serves(family, call, cc):
-            bias_dtype = None if call.bias is None else call.bias.dtype
-            return _portable(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                             call.mask is not None, cc, smem_limit, tiles)
+        if not _family_serves(family, call, cc):
+            continue
+        if family.name == "mma":
+            return _mma(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
+                        call.mask is not None, mma_aligned(call), smem_limit, tiles)
+        return _portable(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
+                         call.mask is not None, cc, smem_limit, tiles)
     raise NotImplementedError(
         f"no kernel family serves {call.dtype} with head dims ({call.head_dim}, "
         f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
@@ -187,6 +257,23 @@ def forward_instances(arch: str):
                                 continue
                             fast = bias is None and not has_mask
                             seen[(choice.filename, choice.name_expression)] = fast
+    for max_d, candidates, _ in MMA_TILES:
+        for name in ("float16", "bfloat16"):
+            for head in sorted({64, 128, max_d}):
+                if head > max_d:
+                    continue
+                for bias in (None, name, "float32"):
+                    for has_mask in (False, True):
+                        for aligned in (True, False):
+                            for tiles in candidates:
+                                try:
+                                    choice = _mma(np.dtype(_np_name(name)), head, head,
+                                                  bias and np.dtype(_np_name(bias)), has_mask,
+                                                  aligned, limit, tiles)
+                                except NotImplementedError:
+                                    continue
+                                fast = bias is None and not has_mask and aligned
+                                seen[(choice.filename, choice.name_expression)] = fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 

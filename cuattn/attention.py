@@ -173,7 +173,7 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
         params["window_left"], params["window_right"] = call.window_left, call.window_right
         params["scale"], params["softcap"] = call.scale, call.softcap
         num_m = -(-call.seqlen_q // choice.tiles.block_m)
-        num_dv = -(-call.head_dim_v // choice.dv_tile)
+        num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
         params["num_m_blocks"], params["num_dv_tiles"] = num_m, num_dv
         for i, name in enumerate(present):
             s = params[f"{name}_s"]

@@ -1,15 +1,17 @@
-"""Tile sweep of the portable attention family: one GPU run, every candidate timed.
+"""Tile sweeps of the attention families: one GPU run, every candidate timed.
 
-    PYTHONPATH=. python tools/sweep_portable.py
+    PYTHONPATH=. python tools/sweep_tiles.py          # portable family
+    PYTHONPATH=. python tools/sweep_tiles.py --mma    # mma family
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
-cuattn/_dispatch.py::PORTABLE_TILES with the measured reason.
+cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES) with the measured reason.
 """
 import math
+import sys
 
 import cupy as cp
 
-from cuattn._dispatch import Tiles
+from cuattn._dispatch import MmaTiles, Tiles
 from cuattn.attention import _attention
 from cuattn.bench import _time
 
@@ -23,18 +25,23 @@ CANDIDATES = {
     ("float64", 128): [Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 128, 128, 1),
                        Tiles(64, 64, 128, 128, 1)],
 }
+MMA_CANDIDATES = {
+    ("bfloat16", 64): [MmaTiles(64, 64), MmaTiles(128, 64), MmaTiles(128, 128), MmaTiles(64, 128)],
+    ("bfloat16", 128): [MmaTiles(128, 64), MmaTiles(64, 64), MmaTiles(128, 32), MmaTiles(64, 128)],
+    ("bfloat16", 256): [MmaTiles(64, 64), MmaTiles(64, 32), MmaTiles(128, 32)],
+}
 
 
 def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
-    for (dtype, d), cands in CANDIDATES.items():
-        b, h, s = (4, 16, 4096) if dtype == "float32" else (1, 16, 4096)
+    only_mma = "--mma" in sys.argv
+    for (dtype, d), cands in (MMA_CANDIDATES if only_mma else CANDIDATES).items():
+        b, h, s = (1, 16, 4096) if dtype == "float64" else (4, 16, 4096)
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
         for causal in (False, True):
             flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
             for tiles in cands:
-                label = (f"M{tiles.block_m} N{tiles.block_n} Dt{tiles.d_tile} "
-                         f"Dv{tiles.dv_tile} mb{tiles.min_blocks}")
+                label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(q=q, k=k, v=v, causal=causal, tiles=tiles):
                         return _attention(q, k, v, causal=causal, tiles=tiles)

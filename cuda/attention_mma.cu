@@ -1,0 +1,359 @@
+// attention_mma.cu -- tensor-core attention forward for float16 / bfloat16 (sm_80 and newer).
+//
+// Computes:   the same function as attention_portable.cu (API.md semantics; reference
+//             cuattn/reference.py::attention_reference): out = softmax(s) v and lse, with
+//             s = scale * q k^T, softcap, bias, bool mask, causal/window band.
+// Layout:     as attention_portable.cu: AttnParams (common.cuh) with element strides for
+//             three collapsed batch axes, rows and columns. ALIGNED instances need unit
+//             column strides, 16-byte aligned rows and D, Dv multiples of 8 (checked in
+//             Python); the others load element by element.
+// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * NUM_WARPS query rows of one
+//             batch entry and all Dv output columns; warp w owns rows 16w .. 16w+15. Within
+//             a warp the m16n8 accumulator layout gives lane (g = lane/4, t = lane%4) rows g
+//             and g+8 and columns 2t, 2t+1 of every 8-column tile, so a row's statistics are
+//             reduced over the four lanes of a quad.
+// Algorithm:  K and V tiles of BLOCK_N keys arrive by cp.async one tile ahead into two
+//             stages; per tile: S = Q K^T (mma.sync m16n8k16, operands by ldmatrix), scale /
+//             softcap / bias / mask in log2 units (interior tiles skip the mask arithmetic),
+//             online softmax (m, l, alpha) in registers, P converted to T in registers and
+//             used directly as the A operand of O += P V (V through ldmatrix.trans).
+// Template:   T (__half or __nv_bfloat16); BiasT (NoBias or a float type); HAS_MASK;
+//             HEAD_DIM, HEAD_DIM_V: q/k and v head dims padded to a multiple of 64 (the pad
+//             is zero-filled in shared memory); BLOCK_N keys per tile; NUM_WARPS; ALIGNED.
+// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
+//             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
+//             eight row addresses of every ldmatrix phase fall in distinct banks.
+//             cuattn/_dispatch.py::mma_smem_bytes computes the same number.
+#include "common.cuh"
+
+namespace {
+
+using namespace cuattn;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// d += a * b on one m16n8k16 tile, float accumulators
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1);
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const unsigned (&a)[4],
+                                                  unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
+                                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two floats -> one register of two T, rounded to nearest (the low half is `lo`)
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// element offset of (row, col) in a swizzled tile of COLS columns (COLS % 64 == 0)
+template <int COLS>
+__device__ __forceinline__ int swizzle(int row, int col) {
+    return row * COLS + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+}
+
+// Copy ROWS x COLS elements of a strided tensor into a swizzled shared tile; rows >= nrows
+// and columns >= ncols become 0. ALIGNED: 16-byte cp.async chunks (finish with
+// cp_async_wait); otherwise synchronous element loads.
+template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
+                                          long long col_stride, long long nrows,
+                                          long long ncols) {
+    constexpr int CHUNKS = COLS / 8;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        T* d = dst + swizzle<COLS>(r, c);
+        if constexpr (ALIGNED) {
+            const bool ok = r < nrows && c < ncols;  // ncols % 8 == 0: chunks are all or nothing
+            const T* s = ok ? src + r * row_stride + c : src;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(d)),
+                         "l"(s), "r"(ok ? 16 : 0));
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const bool ok = r < nrows && c + e < ncols;
+                d[e] = ok ? src[r * row_stride + (c + e) * col_stride] : from_acc<T>(0.f);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// Byte offsets, within a swizzled tile of COLS columns, of the 16-byte chunk that this lane
+// hands to ldmatrix for row `row` and column chunks 2*ph + half (ph = 0..3). Chunk 2*kk +
+// half lies at offsets[kk % 4] + (kk / 4) * 128: the swizzle only permutes chunks inside
+// each group of eight, so every ldmatrix address is a register plus an immediate.
+template <int COLS>
+struct LaneOffsets {
+    unsigned at[4];
+    __device__ __forceinline__ LaneOffsets(int row, int half) {
+#pragma unroll
+        for (int ph = 0; ph < 4; ++ph)
+            at[ph] = 2u * static_cast<unsigned>(swizzle<COLS>(row, (2 * ph + half) * 8));
+    }
+    __device__ __forceinline__ unsigned operator()(int kk) const {
+        return at[kk % 4] + (kk / 4) * 128;
+    }
+};
+
+// S (16 x BLOCK_N per warp) = Q K^T: A fragments of Q and B fragments of K by ldmatrix
+template <int HEAD_DIM, int BLOCK_N, typename T>
+__device__ __forceinline__ void scores(float (&s)[BLOCK_N / 8][4], unsigned q_base,
+                                       unsigned k_base, const LaneOffsets<HEAD_DIM>& q_off,
+                                       const LaneOffsets<HEAD_DIM>& k_off) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        unsigned a[4];
+        ldmatrix_x4(a, q_base + q_off(kk));
+#pragma unroll
+        for (int jj = 0; jj < BLOCK_N / 16; ++jj) {
+            unsigned b[4];  // two 8-key tiles: (b0, b1) of keys 16jj.., then of 16jj+8..
+            ldmatrix_x4(b, k_base + k_off(kk) + jj * 16 * HEAD_DIM * 2);
+            mma_16816<T>(s[2 * jj], a, b[0], b[1]);
+            mma_16816<T>(s[2 * jj + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Scores to log2 units with softcap, bias and masking (see attention_portable.cu). Element
+// (j, e) of the accumulator is row g + 8*(e/2), column 8j + 2t + e%2 of the warp's tile.
+template <int BLOCK_N, bool HAS_MASK, typename BiasT>
+__device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 8][4], const AttnParams& p,
+                                            long long row0, long long col0, int lane,
+                                            bool interior, const unsigned char* mask,
+                                            const BiasT* bias) {
+    const float scale_log2 = float(p.scale * LOG2E);
+    const float softcap = float(p.softcap);
+    if (interior && softcap == 0.f && is_same_v<BiasT, NoBias>) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+        return;
+    }
+    const float cap_over_scale = softcap > 0.f ? float(p.scale / p.softcap) : 0.f;
+    const long long off = p.seqlen_k - p.seqlen_q;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long r = row0 + lane / 4 + 8 * (e / 2);
+            const long long c = col0 + 8 * j + 2 * (lane % 4) + e % 2;
+            bool allowed = r < p.seqlen_q && c < p.seqlen_k &&
+                           in_window(r, c, off, p.window_left, p.window_right);
+            if constexpr (HAS_MASK)
+                if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
+            float x = s[j][e];
+            x = softcap > 0.f ? softcap * float(LOG2E) * tanhf(x * cap_over_scale) : x * scale_log2;
+            if constexpr (!is_same_v<BiasT, NoBias>)
+                if (allowed) x += to_acc(bias[r * p.bias_s.row + c * p.bias_s.col]) * float(LOG2E);
+            s[j][e] = allowed ? x : neg_inf<float>();
+        }
+}
+
+// Online softmax over one tile for the lane's two rows (h = 0: row g, h = 1: row g + 8).
+template <int BLOCK_N, int DV_TILES>
+__device__ __forceinline__ void update_row_state(float (&s)[BLOCK_N / 8][4], float (&m)[2],
+                                                 float (&l)[2], float (&o)[DV_TILES][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float tile_max = neg_inf<float>();
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+            tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        // the four lanes of a quad hold the row's columns
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float m_new = fmaxf(m[h], tile_max);
+        const float m_use = m_new == neg_inf<float>() ? 0.f : m_new;  // nothing allowed yet
+        const float alpha = exp2f(m[h] - m_use);
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                s[j][e] = exp2f(s[j][e] - m_use);
+                tile_sum += s[j][e];
+            }
+        // the quad's partial sums are combined once, at the end (l is per lane until then)
+        l[h] = l[h] * alpha + tile_sum;
+        m[h] = m_new;
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d) {
+            o[d][2 * h] *= alpha;
+            o[d][2 * h + 1] *= alpha;
+        }
+    }
+}
+
+// O += P V: P from the score registers (accumulator layout == A-operand layout), V by
+// ldmatrix.trans
+template <int BLOCK_N, int HEAD_DIM_V, typename T>
+__device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM_V / 8][4],
+                                              const float (&s)[BLOCK_N / 8][4], unsigned v_base,
+                                              const LaneOffsets<HEAD_DIM_V>& v_off) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const unsigned a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                               pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                               pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dd = 0; dd < HEAD_DIM_V / 16; ++dd) {
+            unsigned b[4];  // (b0, b1) of columns 16dd.., then of 16dd+8..
+            ldmatrix_x4_trans(b, v_base + v_off(dd) + kk * 16 * HEAD_DIM_V * 2);
+            mma_16816<T>(o[2 * dd], a, b[0], b[1]);
+            mma_16816<T>(o[2 * dd + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+}  // namespace
+
+template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
+          int NUM_WARPS, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnParams p) {
+    constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
+    constexpr int DV_TILES = HEAD_DIM_V / 8;
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,
+                  "head dims are padded to multiples of 64, key tiles to multiples of 16");
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][HEAD_DIM]
+    T* k_s = q_s + BLOCK_M * HEAD_DIM;         // [2][BLOCK_N][HEAD_DIM]
+    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N][HEAD_DIM_V]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long m_block = p.num_m_blocks - 1 - blockIdx.x % p.num_m_blocks;  // heavy first
+    const long long b = blockIdx.x / p.num_m_blocks;
+    const long long m0 = m_block * BLOCK_M;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // key tiles that the causal/window band reaches from rows m0 .. m_last
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    long long n_lo = 0, n_hi = p.seqlen_k;
+    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
+    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    n_lo = n_lo / BLOCK_N * BLOCK_N;
+
+    auto request_kv = [&](long long n0, int stage) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim);
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
+                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v);
+    };
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                   p.head_dim);
+    if (n_lo < n_hi) request_kv(n_lo, 0);
+    cp_async_commit();
+
+    float o[DV_TILES][4], m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+
+    // ldmatrix rows of this lane: Q rows 16w + lane%16 (column half lane/16); K rows
+    // lane%8 + 8*(lane/16) (half (lane/8)%2); V rows lane%8 + 8*((lane/8)%2) (half lane/16)
+    const LaneOffsets<HEAD_DIM> q_off(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM> k_off(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LaneOffsets<HEAD_DIM_V> v_off(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const unsigned q_base = smem_addr(q_s), k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+
+    int stage = 0;
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        // fetch the next tile into the other stage, last read before the previous
+        // iteration's final barrier
+        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the group just issued have landed ...
+        __syncthreads();     // ... for every thread: Q (first time), this tile's K and V
+        float s[BLOCK_N / 8][4];
+        scores<HEAD_DIM, BLOCK_N, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_off, k_off);
+        // interior tile: inside both sequences and the band for every row of the block
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
+                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        mask_scores<BLOCK_N, HAS_MASK>(s, p, m0 + warp * 16, n0, lane, interior, mask, bias);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o);
+        accumulate_pv<BLOCK_N, HEAD_DIM_V, T>(o, s, v_base + stage * V_ELEMS * 2, v_off);
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);  // the quad's partial row sums
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const float inv_l = l[h] == 0.f ? 0.f : 1.f / l[h];
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const long long c = 8 * d + 2 * (lane % 4) + e;
+                if (c < p.head_dim_v)  // columns of the zero pad
+                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(o[d][2 * h + e] * inv_l);
+            }
+        if (p.lse && lane % 4 == 0) {
+            float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = l[h] == 0.f ? neg_inf<float>() : m[h] * float(LN2) + logf(l[h]);
+        }
+    }
+}
