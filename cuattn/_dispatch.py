@@ -75,8 +75,13 @@ PORTABLE_TILES = (
 
 @dataclass(frozen=True)
 class MmaTiles:
-    block_m: int   # 16 query rows per warp: NUM_WARPS = block_m // 16
-    block_n: int
+    block_m: int   # query rows per block: NUM_WARPS = block_m // (16 * m_tiles)
+    block_n: int   # keys per tile
+    m_tiles: int = 1  # 16-row tiles per warp: K and V fragments are reused this often
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // (16 * self.m_tiles)
 
 
 #: mma family: (largest head dim, candidate tiles in order of preference, measured reason).
@@ -177,10 +182,11 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
                                   f"shared memory for head dims {head_dim}, {head_dim_v}")
     bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
     expr = (f"attention_fwd_mma<{c_type_name(call_dtype)}, {bias_t}, {str(has_mask).lower()}, "
-            f"{hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 16}, {str(aligned).lower()}>")
+            f"{hd}, {hdv}, {tiles.block_n}, {tiles.num_warps}, {tiles.m_tiles}, "
+            f"{str(aligned).lower()}>")
     return KernelChoice("mma", "attention_mma.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.block_m * 2)
+                        threads=tiles.num_warps * 32)
 
 
 def mma_aligned(call: AttentionCall) -> bool:

@@ -7,11 +7,12 @@
 //             three collapsed batch axes, rows and columns. ALIGNED instances need unit
 //             column strides, 16-byte aligned rows and D, Dv multiples of 8 (checked in
 //             Python); the others load element by element.
-// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * NUM_WARPS query rows of one
-//             batch entry and all Dv output columns; warp w owns rows 16w .. 16w+15. Within
-//             a warp the m16n8 accumulator layout gives lane (g = lane/4, t = lane%4) rows g
-//             and g+8 and columns 2t, 2t+1 of every 8-column tile, so a row's statistics are
-//             reduced over the four lanes of a quad.
+// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * M_TILES * NUM_WARPS query
+//             rows of one batch entry and all Dv output columns; warp w owns M_TILES tiles of
+//             16 rows from row 16 * M_TILES * w (every K and V fragment it loads feeds all of
+//             them). Within a tile the m16n8 accumulator layout gives lane (g = lane/4,
+//             t = lane%4) rows g and g+8 and columns 2t, 2t+1 of every 8-column tile, so a
+//             row's statistics are reduced over the four lanes of a quad.
 // Algorithm:  K and V tiles of BLOCK_N keys arrive by cp.async one tile ahead into two
 //             stages; per tile: S = Q K^T (mma.sync m16n8k16, operands by ldmatrix), scale /
 //             softcap / bias / mask in log2 units (interior tiles skip the mask arithmetic),
@@ -19,7 +20,8 @@
 //             used directly as the A operand of O += P V (V through ldmatrix.trans).
 // Template:   T (__half or __nv_bfloat16); BiasT (NoBias or a float type); HAS_MASK;
 //             HEAD_DIM, HEAD_DIM_V: q/k and v head dims padded to a multiple of 64 (the pad
-//             is zero-filled in shared memory); BLOCK_N keys per tile; NUM_WARPS; ALIGNED.
+//             is zero-filled in shared memory); BLOCK_N keys per tile; NUM_WARPS; M_TILES
+//             row tiles of 16 per warp; ALIGNED.
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
@@ -134,25 +136,33 @@ struct LaneOffsets {
     }
 };
 
-// S (16 x BLOCK_N per warp) = Q K^T: A fragments of Q and B fragments of K by ldmatrix
-template <int HEAD_DIM, int BLOCK_N, typename T>
-__device__ __forceinline__ void scores(float (&s)[BLOCK_N / 8][4], unsigned q_base,
+// S (16*M_TILES x BLOCK_N per warp) = Q K^T: A fragments of Q and B fragments of K by
+// ldmatrix; each K fragment serves the warp's M_TILES row tiles
+template <int HEAD_DIM, int BLOCK_N, int M_TILES, typename T>
+__device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], unsigned q_base,
                                        unsigned k_base, const LaneOffsets<HEAD_DIM>& q_off,
                                        const LaneOffsets<HEAD_DIM>& k_off) {
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        unsigned a[4];
-        ldmatrix_x4(a, q_base + q_off(kk));
+        unsigned a[M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            ldmatrix_x4(a[mt], q_base + q_off(kk) + mt * 16 * HEAD_DIM * 2);
 #pragma unroll
         for (int jj = 0; jj < BLOCK_N / 16; ++jj) {
             unsigned b[4];  // two 8-key tiles: (b0, b1) of keys 16jj.., then of 16jj+8..
             ldmatrix_x4(b, k_base + k_off(kk) + jj * 16 * HEAD_DIM * 2);
-            mma_16816<T>(s[2 * jj], a, b[0], b[1]);
-            mma_16816<T>(s[2 * jj + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816<T>(s[mt][2 * jj], a[mt], b[0], b[1]);
+                mma_16816<T>(s[mt][2 * jj + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
@@ -229,23 +239,31 @@ __device__ __forceinline__ void update_row_state(float (&s)[BLOCK_N / 8][4], flo
 }
 
 // O += P V: P from the score registers (accumulator layout == A-operand layout), V by
-// ldmatrix.trans
-template <int BLOCK_N, int HEAD_DIM_V, typename T>
-__device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM_V / 8][4],
-                                              const float (&s)[BLOCK_N / 8][4], unsigned v_base,
+// ldmatrix.trans; each V fragment serves the warp's M_TILES row tiles
+template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
+__device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8][4],
+                                              const float (&s)[M_TILES][BLOCK_N / 8][4],
+                                              unsigned v_base,
                                               const LaneOffsets<HEAD_DIM_V>& v_off) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const unsigned a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                               pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                               pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        unsigned a[M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dd = 0; dd < HEAD_DIM_V / 16; ++dd) {
             unsigned b[4];  // (b0, b1) of columns 16dd.., then of 16dd+8..
             ldmatrix_x4_trans(b, v_base + v_off(dd) + kk * 16 * HEAD_DIM_V * 2);
-            mma_16816<T>(o[2 * dd], a, b[0], b[1]);
-            mma_16816<T>(o[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816<T>(o[mt][2 * dd], a[mt], b[0], b[1]);
+                mma_16816<T>(o[mt][2 * dd + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
@@ -253,9 +271,9 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM_V / 8][4],
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, bool ALIGNED>
+          int NUM_WARPS, int M_TILES, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnParams p) {
-    constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
+    constexpr int THREADS = NUM_WARPS * 32, WARP_M = 16 * M_TILES, BLOCK_M = WARP_M * NUM_WARPS;
     constexpr int DV_TILES = HEAD_DIM_V / 8;
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,
                   "head dims are padded to multiples of 64, key tiles to multiples of 16");
@@ -300,15 +318,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
-    float o[DV_TILES][4], m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.f, 0.f};
+    float o[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
 #pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        m[mt][0] = m[mt][1] = neg_inf<float>();
+        l[mt][0] = l[mt][1] = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+        for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][d][e] = 0.f;
+    }
 
     // ldmatrix rows of this lane: Q rows 16w + lane%16 (column half lane/16); K rows
     // lane%8 + 8*(lane/16) (half (lane/8)%2); V rows lane%8 + 8*((lane/8)%2) (half lane/16)
-    const LaneOffsets<HEAD_DIM> q_off(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM> q_off(warp * WARP_M + lane % 16, lane / 16);
     const LaneOffsets<HEAD_DIM> k_off(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LaneOffsets<HEAD_DIM_V> v_off(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     const unsigned q_base = smem_addr(q_s), k_base = smem_addr(k_s), v_base = smem_addr(v_s);
@@ -321,15 +344,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued have landed ...
         __syncthreads();     // ... for every thread: Q (first time), this tile's K and V
-        float s[BLOCK_N / 8][4];
-        scores<HEAD_DIM, BLOCK_N, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_off, k_off);
+        float s[M_TILES][BLOCK_N / 8][4];
+        scores<HEAD_DIM, BLOCK_N, M_TILES, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_off, k_off);
         // interior tile: inside both sequences and the band for every row of the block
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
-        mask_scores<BLOCK_N, HAS_MASK>(s, p, m0 + warp * 16, n0, lane, interior, mask, bias);
-        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o);
-        accumulate_pv<BLOCK_N, HEAD_DIM_V, T>(o, s, v_base + stage * V_ELEMS * 2, v_off);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            mask_scores<BLOCK_N, HAS_MASK>(s[mt], p, m0 + warp * WARP_M + mt * 16, n0, lane,
+                                           interior, mask, bias);
+            update_row_state<BLOCK_N, DV_TILES>(s[mt], m[mt], l[mt], o[mt]);
+        }
+        accumulate_pv<BLOCK_N, HEAD_DIM_V, M_TILES, T>(o, s, v_base + stage * V_ELEMS * 2, v_off);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
@@ -337,23 +364,26 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
     // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
 #pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);  // the quad's partial row sums
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        float row_l = l[mt][h];
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+        const long long r = m0 + warp * WARP_M + mt * 16 + lane / 4 + 8 * h;
         if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
-        const float inv_l = l[h] == 0.f ? 0.f : 1.f / l[h];
+        const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const long long c = 8 * d + 2 * (lane % 4) + e;
                 if (c < p.head_dim_v)  // columns of the zero pad
-                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(o[d][2 * h + e] * inv_l);
+                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(o[mt][d][2 * h + e] * inv_l);
             }
         if (p.lse && lane % 4 == 0) {
             float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = l[h] == 0.f ? neg_inf<float>() : m[h] * float(LN2) + logf(l[h]);
+            lse[r * p.lse_s.row] = row_l == 0.f ? neg_inf<float>() : m[mt][h] * float(LN2) + logf(row_l);
         }
     }
 }
