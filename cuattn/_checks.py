@@ -197,6 +197,9 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
     if bias is not None and bias.ndim < 2:
         bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+    if max(seqlen_q, seqlen_k) >= 2**31:
+        raise ValueError(f"sequence lengths must be below 2**31, got Sq={seqlen_q}, "
+                         f"Sk={seqlen_k}")
     leading = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
     for name, extra in (("mask", mask), ("bias", bias)):
         if extra is not None:

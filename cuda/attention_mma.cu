@@ -148,16 +148,20 @@ __device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], unsi
         for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+    // groups of four 16-wide steps: unrolled inside a group, rolled across groups, so that
+    // ptxas does not hoist the fragments of the whole head dim into registers
+#pragma unroll 1
+    for (int k4 = 0; k4 < HEAD_DIM / 64; ++k4)
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    for (int ph = 0; ph < 4; ++ph) {
         unsigned a[M_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(a[mt], q_base + q_off(kk) + mt * 16 * HEAD_DIM * 2);
+            ldmatrix_x4(a[mt], q_base + q_off.at[ph] + k4 * 128 + mt * 16 * HEAD_DIM * 2);
 #pragma unroll
         for (int jj = 0; jj < BLOCK_N / 16; ++jj) {
             unsigned b[4];  // two 8-key tiles: (b0, b1) of keys 16jj.., then of 16jj+8..
-            ldmatrix_x4(b, k_base + k_off(kk) + jj * 16 * HEAD_DIM * 2);
+            ldmatrix_x4(b, k_base + k_off.at[ph] + k4 * 128 + jj * 16 * HEAD_DIM * 2);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816<T>(s[mt][2 * jj], a[mt], b[0], b[1]);
@@ -298,14 +302,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
                                      batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // key tiles that the causal/window band reaches from rows m0 .. m_last
-    const long long off = p.seqlen_k - p.seqlen_q;
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    long long n_lo = 0, n_hi = p.seqlen_k;
+    // sequence positions fit in 32 bits (checked in Python): 32-bit loop state saves
+    // registers next to the accumulators
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    int n_lo = 0, n_hi = seqlen_k;
     if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    if (p.window_right >= 0) n_hi = (int)min((long long)n_hi, m_last + off + p.window_right + 1);
     n_lo = n_lo / BLOCK_N * BLOCK_N;
 
-    auto request_kv = [&](long long n0, int stage) {
+    auto request_kv = [&](int n0, int stage) {
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                        p.head_dim);
@@ -337,7 +344,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
     const unsigned q_base = smem_addr(q_s), k_base = smem_addr(k_s), v_base = smem_addr(v_s);
 
     int stage = 0;
-    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
         // fetch the next tile into the other stage, last read before the previous
         // iteration's final barrier
         if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
@@ -347,7 +354,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnPa
         float s[M_TILES][BLOCK_N / 8][4];
         scores<HEAD_DIM, BLOCK_N, M_TILES, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_off, k_off);
         // interior tile: inside both sequences and the band for every row of the block
-        const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
 #pragma unroll

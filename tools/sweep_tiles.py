@@ -26,11 +26,9 @@ CANDIDATES = {
                        Tiles(64, 64, 128, 128, 1)],
 }
 MMA_CANDIDATES = {
-    ("bfloat16", 64): [MmaTiles(64, 64), MmaTiles(128, 64, 2), MmaTiles(128, 128, 2),
-                       MmaTiles(64, 64, 2)],
-    ("bfloat16", 128): [MmaTiles(64, 64), MmaTiles(128, 64, 2), MmaTiles(128, 32, 2),
-                        MmaTiles(64, 64, 2), MmaTiles(64, 32, 2)],
-    ("bfloat16", 256): [MmaTiles(64, 32), MmaTiles(64, 64), MmaTiles(128, 32)],
+    ("bfloat16", 64): [MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(128, 128, 2)],
+    ("bfloat16", 128): [MmaTiles(128, 64, 2), MmaTiles(128, 32, 2), MmaTiles(64, 64)],
+    ("bfloat16", 256): [MmaTiles(64, 32), MmaTiles(128, 32)],
 }
 
 
