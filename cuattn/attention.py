@@ -212,6 +212,11 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
     -------
     (..., N, E) ndarray
 
+    Notes
+    -----
+    The projections use the array library's matmul; for bfloat16 CuPy arrays, which CuPy
+    cannot multiply, they are computed in float32 and rounded to bfloat16 once.
+
     Examples
     --------
     >>> import numpy as np, cuattn
@@ -234,8 +239,14 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
             raise ValueError(f"{name} must have shape ({embed},), got {b.shape}")
     head_dim = embed // num_heads
 
+    def matmul(a, w):
+        # CuPy has no bfloat16 matmul: such projections run in float32, rounded back once
+        if a.dtype.name == "bfloat16" and not isinstance(a, np.ndarray):
+            return (a.astype(np.float32) @ w.astype(np.float32)).astype(a.dtype)
+        return a @ w
+
     def project(w, b):
-        y = x @ w
+        y = matmul(x, w)
         if b is not None:
             y = y + b
         # (..., N, E) -> (..., H, N, Dh): a view, no copy
@@ -244,5 +255,5 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
     heads = attention(project(w_q, b_q), project(w_k, b_k), project(w_v, b_v),
                       causal=causal, mask=mask)
     merged = heads.swapaxes(-2, -3).reshape(x.shape)
-    y = merged @ w_o
+    y = matmul(merged, w_o)
     return y if b_o is None else y + b_o

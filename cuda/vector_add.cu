@@ -2,11 +2,12 @@
 //
 // Computes:   c[i] = a[i] + b[i] for 0 <= i < n, rounded once to T (numpy.add semantics).
 // Layout:     a, b, c contiguous, same dtype T (Python broadcasts and casts beforehand).
-// Ownership:  grid-stride loop; each thread handles UNROLL = 4 16-byte packs
+// Ownership:  grid-stride loop; each thread handles UNROLL 16-byte packs
 //             (16 / sizeof(T) elements each, a block's threads on consecutive packs) per
 //             step when all three pointers are 16-byte aligned, then a scalar tail;
 //             unaligned views take the scalar loop for everything.
-// Template:   T in {__half, __nv_bfloat16, float, double, int, long long}.
+// Template:   T in {__half, __nv_bfloat16, float, double, int, long long}; UNROLL packs
+//             per thread per step (cuattn/elementwise.py::VECTOR_ADD_UNROLL).
 // Shared mem: none.
 // Reference:  numpy.add (cuattn.elementwise.vector_add on NumPy inputs).
 #include "common.cuh"
@@ -33,13 +34,12 @@ struct alignas(16) Pack {
 
 }  // namespace
 
-template <typename T>
+template <typename T, int UNROLL>
 __global__ void vector_add(const T* __restrict__ a, const T* __restrict__ b,
                            T* __restrict__ c, long long n) {
     using P = Pack<T>;
     // UNROLL packs per thread per step, all loaded before the first add: 2 * UNROLL
     // 16-byte loads in flight per thread keep enough bytes moving to near the copy rate.
-    constexpr int UNROLL = 4;
     const long long step = (long long)gridDim.x * blockDim.x * UNROLL;
     const bool aligned = ((reinterpret_cast<unsigned long long>(a) |
                            reinterpret_cast<unsigned long long>(b) |

@@ -4,9 +4,9 @@ import pytest
 
 from cuattn._dispatch import forward_instances
 from cuattn._gate import compile_instance
+from cuattn.elementwise import VECTOR_ADD_DTYPES, vector_add_instance
 
-VECTOR_ADD = [("vector_add.cu", f"vector_add<{t}>", True)
-              for t in ("__half", "__nv_bfloat16", "float", "double", "int", "long long")]
+VECTOR_ADD = [("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
 INSTANCES = [(arch, *inst) for arch in ("sm_80", "sm_90")
              for inst in VECTOR_ADD + forward_instances(arch)]
 
@@ -31,4 +31,4 @@ def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
                                             + "\nthis is not C++;\n")
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="vector_add.cu"):
-        compile_instance("vector_add.cu", "vector_add<float>", "sm_90")
+        compile_instance("vector_add.cu", "vector_add<float, 4>", "sm_90")
