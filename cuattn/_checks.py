@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["AttentionCall", "check_attention", "check_backward", "as_array",
+__all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
@@ -96,6 +96,24 @@ class AttentionCall:
     @property
     def lse_shape(self) -> tuple:
         return self.batch_shape + (self.seqlen_q,)
+
+
+def byte_bounds(x) -> tuple[int, int]:
+    """[low, high) device or host addresses that the array ``x`` can touch."""
+    ptr = x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
+    if x.size == 0:
+        return ptr, ptr
+    lo = hi = ptr
+    for n, st in zip(x.shape, x.strides):
+        lo += min(0, (n - 1) * st)
+        hi += max(0, (n - 1) * st)
+    return lo, hi + x.itemsize
+
+
+def may_overlap(x, y) -> bool:
+    """Whether two arrays' address ranges intersect (NumPy's may_share_memory, cheaply)."""
+    (a0, a1), (b0, b1) = byte_bounds(x), byte_bounds(y)
+    return a0 < b1 and b0 < a1
 
 
 def _device_id(x, xp):
@@ -235,7 +253,7 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
             raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}, got shape "
                              f"{out.shape} and dtype {out.dtype}")
         for name in arrays:
-            if name != "out" and xp.may_share_memory(out, arrays[name][0]):
+            if name != "out" and may_overlap(out, arrays[name][0]):
                 raise ValueError(f"out overlaps {name}; it must be a separate array")
 
     return AttentionCall(xp=xp, q=q, k=k, v=v, mask=mask, bias=bias, out=out,

@@ -8,6 +8,7 @@ GPU; a forced family that cannot serve a call raises ``NotImplementedError``.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -207,11 +208,6 @@ def mma_aligned(call: AttentionCall) -> bool:
     return True
 
 
-def _family_serves(family: Family, call: AttentionCall, cc: tuple[int, int]) -> bool:
-    return (cc >= family.min_cc and call.dtype.name in family.dtypes
-            and max(call.head_dim, call.head_dim_v) <= family.max_head_dim)
-
-
 def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                    kernel: str | None = None, tiles: Tiles | None = None):
     """The kernel instance that serves a validated forward call on a GPU of capability cc
@@ -223,16 +219,11 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
         raise NotImplementedError(f"kernel family {forced!r} is not in this build; "
                                   f"available: {', '.join(names)}")
     bias_dtype = None if call.bias is None else call.bias.dtype
-    for family in FAMILIES:
-        if forced is not None and family.name != forced:
-            continue
-        if not _family_serves(family, call, cc):
-            continue
-        if family.name == "mma":
-            return _mma(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                        call.mask is not None, mma_aligned(call), smem_limit, tiles)
-        return _portable(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                         call.mask is not None, cc, smem_limit, tiles)
+    aligned = mma_aligned(call)
+    choice = _choose(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
+                     call.mask is not None, aligned, cc, smem_limit, forced, tiles)
+    if choice is not None:
+        return choice
     raise NotImplementedError(
         f"no kernel family serves {call.dtype} with head dims ({call.head_dim}, "
         f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
@@ -241,6 +232,24 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
 
 #: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for
 GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_90": ((9, 0), 232448)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
+            forced, tiles):
+    """The table lookup proper, cached: a call's choice depends on these values only."""
+    for family in FAMILIES:
+        if forced is not None and family.name != forced:
+            continue
+        if not (cc >= family.min_cc and dtype.name in family.dtypes
+                and max(head_dim, head_dim_v) <= family.max_head_dim):
+            continue
+        if family.name == "mma":
+            return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                        smem_limit, tiles)
+        return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, cc, smem_limit,
+                         tiles)
+    return None
 
 
 def forward_instances(arch: str):

@@ -16,13 +16,14 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import threading
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
-           "ATTN_PARAMS_DTYPE", "c_type_name", "require_cupy"]
+           "ATTN_PARAMS_DTYPE", "pack_attn_params", "c_type_name", "require_cupy"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -48,8 +49,13 @@ def kernel_dir() -> Path:
 
     ``CUATTN_KERNEL_DIR`` if set; else the sources packaged in the wheel
     (``cuattn/cuda``); else the ``cuda/`` folder of a source checkout or editable install.
+    The variable is read at every call; the folder is looked up once per value.
     """
-    env = os.environ.get("CUATTN_KERNEL_DIR")
+    return _resolve_kernel_dir(os.environ.get("CUATTN_KERNEL_DIR") or None)
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve_kernel_dir(env: str | None) -> Path:
     if env:
         path = Path(env)
         if not (path / "common.cuh").is_file():
@@ -113,26 +119,35 @@ def _module(device_id: int, directory: str, filename: str, name_expression: str,
                 f"{exc.get_message() if hasattr(exc, 'get_message') else exc}") from None
 
 
+_ready: dict = {}  # (device, folder, file, expression, options, shared_mem) -> RawKernel
+
+
 def get_kernel(filename: str, name_expression: str, *, shared_mem: int = 0,
                options: tuple[str, ...] | None = None):
     """The compiled ``cupy.RawKernel`` for one template instance on the current device.
 
     ``shared_mem`` above 48 KB is opted into with ``max_dynamic_shared_size_bytes``, after a
-    check against the device's ``MaxSharedMemoryPerBlockOptin``.
+    check against the device's ``MaxSharedMemoryPerBlockOptin``. After the first call the
+    lookup is one dictionary access.
     """
     cupy = require_cupy()
-    device = cupy.cuda.Device()
+    device_id = cupy.cuda.runtime.getDevice()
     options = nvrtc_options() if options is None else options
+    key = (device_id, kernel_dir(), filename, name_expression, options, shared_mem)
+    kernel = _ready.get(key)
+    if kernel is not None:
+        return kernel
     with _lock:  # one compile per instance even when threads race to the first call
-        kernel = _module(device.id, str(kernel_dir()), filename, name_expression, options)
+        kernel = _module(device_id, str(key[1]), filename, name_expression, options)
         if shared_mem > 48 * 1024:
-            limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+            limit = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
             if shared_mem > limit:
                 raise NotImplementedError(
                     f"{name_expression} needs {shared_mem} bytes of shared memory but this GPU "
                     f"allows {limit} per block")
             if kernel.max_dynamic_shared_size_bytes < shared_mem:
                 kernel.max_dynamic_shared_size_bytes = shared_mem
+        _ready[key] = kernel
     return kernel
 
 
@@ -156,3 +171,14 @@ ATTN_PARAMS_DTYPE = np.dtype(
     + [("scale", np.float64), ("softcap", np.float64)]
     + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")],
     align=True)
+_ATTN_PARAMS_STRUCT = struct.Struct("<17q2d35q")
+assert _ATTN_PARAMS_STRUCT.size == ATTN_PARAMS_DTYPE.itemsize
+
+
+def pack_attn_params(ints: list[int], scale: float, softcap: float,
+                     strides: list[int]) -> np.void:
+    """The AttnParams block as one NumPy scalar: ``ints`` are the 17 leading integer fields
+    (pointers to num_dv_tiles, in order), ``strides`` the 35 stride fields (q, k, v, out,
+    lse, mask, bias; b0, b1, b2, row, col each)."""
+    buf = _ATTN_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides)
+    return np.frombuffer(buf, ATTN_PARAMS_DTYPE)[0]

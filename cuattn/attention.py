@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _cpu, _dispatch
 from ._checks import AttentionCall, check_attention, lse_dtype
-from ._kernels import ATTN_PARAMS_DTYPE, get_kernel
+from ._kernels import get_kernel, pack_attn_params
 
 __all__ = ["attention", "multi_head_attention"]
 
@@ -107,8 +107,14 @@ def _attention(q, k, v, *, kernel=None, tiles=None, **kwargs):
 
 # ---- GPU launch ----------------------------------------------------------------------
 
-def _elem_strides(x) -> list[int]:
-    return [s // x.itemsize for s in x.strides]
+def _broadcast_strides(x, shape) -> list[int]:
+    """Element strides of ``x`` viewed as broadcast to ``shape`` (0 on broadcast axes),
+    computed without making the view."""
+    pad = len(shape) - x.ndim
+    strides = [0] * pad
+    for n, st in zip(x.shape, x.strides):
+        strides.append(0 if n == 1 else st // x.itemsize)
+    return strides
 
 
 def _collapse_batch(batch_shape, strides_per_array):
@@ -150,42 +156,39 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
         fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
 
         batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
-        tensors = {
-            "q": cupy.broadcast_to(call.q, batch + call.q.shape[-2:]),
-            "k": cupy.broadcast_to(call.k, batch + call.k.shape[-2:]),
-            "v": cupy.broadcast_to(call.v, batch + call.v.shape[-2:]),
-            "out": out,
-            "lse": None if lse is None else lse[..., None],
-            "mask": None if call.mask is None else cupy.broadcast_to(call.mask, batch + sq_sk),
-            "bias": None if call.bias is None else cupy.broadcast_to(call.bias, batch + sq_sk),
-        }
-        present = {n: t for n, t in tensors.items() if t is not None}
-        strides = {n: _elem_strides(t) for n, t in present.items()}
+        # (array, strides over batch + its two last axes) in AttnParams order; absent
+        # arguments keep pointer 0 and zero strides
+        tensors = [
+            (call.q, _broadcast_strides(call.q, batch + call.q.shape[-2:])),
+            (call.k, _broadcast_strides(call.k, batch + call.k.shape[-2:])),
+            (call.v, _broadcast_strides(call.v, batch + call.v.shape[-2:])),
+            (out, _broadcast_strides(out, out.shape)),
+            (lse, None if lse is None else _broadcast_strides(lse, lse.shape) + [0]),
+            (call.mask, call.mask is not None and _broadcast_strides(call.mask, batch + sq_sk)),
+            (call.bias, call.bias is not None and _broadcast_strides(call.bias, batch + sq_sk)),
+        ]
         nb = len(batch)
-        groups = _collapse_batch(batch, [strides[n][:nb] for n in present])
+        present = [i for i, (x, _) in enumerate(tensors) if x is not None]
+        groups = _collapse_batch(batch, [tensors[i][1][:nb] for i in present])
         outer, inner = groups[:-3], groups[-3:]
         inner = [(1, [0] * len(present))] * (3 - len(inner)) + inner
-
-        params = np.zeros((), ATTN_PARAMS_DTYPE)
-        params["batch1"], params["batch2"] = inner[1][0], inner[2][0]
-        params["seqlen_q"], params["seqlen_k"] = call.seqlen_q, call.seqlen_k
-        params["head_dim"], params["head_dim_v"] = call.head_dim, call.head_dim_v
-        params["window_left"], params["window_right"] = call.window_left, call.window_right
-        params["scale"], params["softcap"] = call.scale, call.softcap
+        strides = [0] * 35
+        for slot, i in enumerate(present):
+            strides[5 * i:5 * i + 5] = ([g[1][slot] for g in inner] + tensors[i][1][nb:])
         num_m = -(-call.seqlen_q // choice.tiles.block_m)
         num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-        params["num_m_blocks"], params["num_dv_tiles"] = num_m, num_dv
-        for i, name in enumerate(present):
-            s = params[f"{name}_s"]
-            s["b0"], s["b1"], s["b2"] = (g[1][i] for g in inner)
-            s["row"], s["col"] = strides[name][nb:] + [0] * (2 - len(strides[name][nb:]))
         grid = (num_m * num_dv * inner[0][0] * inner[1][0] * inner[2][0],)
+        sizes = [inner[1][0], inner[2][0], call.seqlen_q, call.seqlen_k, call.head_dim,
+                 call.head_dim_v, call.window_left, call.window_right, num_m, num_dv]
         # batch axes that did not collapse into three: one launch per outer index
         for index in np.ndindex(*(g[0] for g in outer)):
-            for i, name in enumerate(present):
-                offset = sum(ix * g[1][i] for ix, g in zip(index, outer))
-                params[name] = present[name].data.ptr + offset * present[name].itemsize
-            fn(grid, (choice.threads,), (params[()],), shared_mem=choice.shared_mem)
+            pointers = [0] * 7
+            for slot, i in enumerate(present):
+                x = tensors[i][0]
+                offset = sum(ix * g[1][slot] for ix, g in zip(index, outer))
+                pointers[i] = x.data.ptr + offset * x.itemsize
+            params = pack_attn_params(pointers + sizes, call.scale, call.softcap, strides)
+            fn(grid, (choice.threads,), (params,), shared_mem=choice.shared_mem)
     return out, lse
 
 

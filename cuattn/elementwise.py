@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._checks import as_array
+from ._checks import as_array, may_overlap
 from ._kernels import c_type_name, get_kernel
 
 __all__ = ["vector_add", "vector_add_instance", "VECTOR_ADD_UNROLL"]
@@ -79,12 +79,14 @@ def vector_add(a, b, out=None):
     xp = xa
     if xp is np:
         return np.add(a, b, out=out)
-    if out is not None and any(xp.may_share_memory(out, x) and out.data.ptr != x.data.ptr
+    if out is not None and any(may_overlap(out, x) and out.data.ptr != x.data.ptr
                                for x in (a, b)):
         raise ValueError("out partially overlaps an input; it must be separate or identical")
 
     with a.device:
-        ops = [xp.ascontiguousarray(xp.broadcast_to(x, shape), dtype=dtype) for x in (a, b)]
+        # the common case goes straight to the kernel: same dtype, same shape, contiguous
+        ops = [x if x.dtype == dtype and x.shape == shape and x.flags.c_contiguous
+               else xp.ascontiguousarray(xp.broadcast_to(x, shape), dtype=dtype) for x in (a, b)]
         direct = out is not None and out.dtype == dtype and out.flags.c_contiguous
         c = out if direct else xp.empty(shape, dtype)
         n = c.size

@@ -1,0 +1,40 @@
+"""Host time per call on tiny shapes (PERF.md: <= 25 us of Python per attention call).
+
+    PYTHONPATH=. python tools/host_overhead.py
+"""
+import time
+
+import cupy as cp
+
+import cuattn
+
+
+def per_call_us(fn, n=2000):
+    fn()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    cp.cuda.Device().synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main():
+    q = cp.random.standard_normal((1, 2, 16, 64), dtype=cp.float32).astype(cp.float16)
+    x = cp.random.standard_normal((16, 64), dtype=cp.float32)
+    mask = cp.ones((16, 16), bool)
+    out = cp.empty_like(x)
+    rows = {
+        "attention fp16 (1, 2, 16, 64)": lambda: cuattn.attention(q, q, q),
+        "attention fp16 causal + mask": lambda: cuattn.attention(q, q, q, causal=True, mask=mask),
+        "attention fp32 (16, 64) portable": lambda: cuattn.attention(x, x, x),
+        "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
+        "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
+    }
+    for name, fn in rows.items():
+        print(f"{name:40s} {per_call_us(fn):7.1f} us per call (host, launch included)")
+
+
+if __name__ == "__main__":
+    main()
