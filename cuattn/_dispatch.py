@@ -230,10 +230,6 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
         + (f" (forced: {forced!r})" if forced else ""))
 
 
-#: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for
-GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_90": ((9, 0), 232448)}
-
-
 @functools.lru_cache(maxsize=1024)
 def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
             forced, tiles):
@@ -252,45 +248,35 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
     return None
 
 
+#: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for:
+#: A100, the 99 KB parts of Ampere/Ada (which take the fallback tiles), H100/H200
+GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_86": ((8, 6), 101376),
+                "sm_90": ((9, 0), 232448)}
+
+
 def forward_instances(arch: str):
-    """Every (filename, name expression, fast) that dispatch can pick on ``arch``, for the
-    NVRTC gate: each dtype × bias dtype × mask × head-dim class × tile candidate that fits.
-    Instances without mask and bias are the fast path: they must not spill."""
+    """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
+    forced in turn as the tests do, for the NVRTC gate: dtype × head-dim class × bias dtype
+    × mask × alignment. Instances without mask and bias (and aligned, for mma) are the fast
+    path: they must not spill."""
     cc, limit = GATE_TARGETS[arch]
     seen = {}
-    for dtypes, max_d, candidates, _ in PORTABLE_TILES:
-        for name in dtypes:
-            for head in sorted({32, 64, 128, max_d}):
-                if head > max_d:
+    for family in FAMILIES:
+        for name in family.dtypes:
+            dtype = np.dtype(_np_name(name))
+            for head in (32, 64, 128, 256, 1024):
+                if head > family.max_head_dim:
                     continue
                 for bias in (None, name, "float32"):
+                    bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
-                        for tiles in candidates:
-                            try:
-                                choice = _portable(np.dtype(_np_name(name)), head, head,
-                                                   bias and np.dtype(_np_name(bias)), has_mask,
-                                                   cc, limit, tiles)
-                            except NotImplementedError:
+                        for aligned in ((True, False) if family.name == "mma" else (True,)):
+                            choice = _choose(dtype, head, head, bias_dtype, has_mask, aligned,
+                                             cc, limit, family.name, None)
+                            if choice is None:
                                 continue
-                            fast = bias is None and not has_mask
+                            fast = bias is None and not has_mask and aligned
                             seen[(choice.filename, choice.name_expression)] = fast
-    for max_d, candidates, _ in MMA_TILES:
-        for name in ("float16", "bfloat16"):
-            for head in sorted({64, 128, max_d}):
-                if head > max_d:
-                    continue
-                for bias in (None, name, "float32"):
-                    for has_mask in (False, True):
-                        for aligned in (True, False):
-                            for tiles in candidates:
-                                try:
-                                    choice = _mma(np.dtype(_np_name(name)), head, head,
-                                                  bias and np.dtype(_np_name(bias)), has_mask,
-                                                  aligned, limit, tiles)
-                                except NotImplementedError:
-                                    continue
-                                fast = bias is None and not has_mask and aligned
-                                seen[(choice.filename, choice.name_expression)] = fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 
