@@ -3,8 +3,9 @@
 ``cuattn.attention(q, k, v)`` runs cuattn's own CUDA kernels on CuPy arrays and a blocked
 NumPy implementation on NumPy arrays, with the same semantics (API.md).
 """
-from .attention import attention, multi_head_attention
+from .attention import attention, attention_backward, attention_vjp, multi_head_attention
 from .elementwise import vector_add
 
 __version__ = "0.1.0"
-__all__ = ["attention", "multi_head_attention", "vector_add", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention",
+           "vector_add", "__version__"]

@@ -1,4 +1,5 @@
-"""The NumPy backend: attention on the CPU with the kernels' blocked online softmax.
+"""The NumPy backend: attention on the CPU with the kernels' blocked online softmax, and
+its backward with recomputation.
 
 It runs :func:`cuattn.reference.attention_blocked` (BLAS for the tile products) with
 float32 accumulation for 16-bit and float32 inputs and float64 for float64, choosing the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import AttentionCall, lse_dtype
-from .reference import attention_blocked
+from .reference import attention_backward_blocked, attention_blocked
 
 _TILE_ELEMENTS = 1 << 22  # 32 MiB of float64 scores per tile at most
 
@@ -37,3 +38,12 @@ def attention_forward(call: AttentionCall):
     out = call.out if call.out is not None else np.empty(call.out_shape, call.dtype)
     out[...] = out_acc.astype(call.dtype)
     return out, (lse if call.return_lse else None)
+
+
+def attention_backward(call: AttentionCall, dout, out, lse):
+    """``(dq, dk, dv)`` for a validated NumPy call, in the dtypes and shapes of q, k, v."""
+    acc_dtype = lse_dtype(call.dtype)
+    block_m, block_n = _blocks(call)
+    grads = attention_backward_blocked(call, dout, out, lse, acc_dtype=acc_dtype,
+                                       block_m=block_m, block_n=block_n)
+    return tuple(g.astype(call.dtype) for g in grads)

@@ -12,10 +12,10 @@ import math
 import numpy as np
 
 from . import _cpu, _dispatch
-from ._checks import AttentionCall, check_attention, lse_dtype
+from ._checks import AttentionCall, check_attention, check_backward, lse_dtype
 from ._kernels import get_kernel, pack_attn_params
 
-__all__ = ["attention", "multi_head_attention"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
 
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
@@ -88,6 +88,90 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
                            precision=precision, out=out)
     out, lse = _forward(call)
     return (out, lse) if call.return_lse else out
+
+
+_NO_GPU_BACKWARD = ("the backward pass runs on NumPy inputs only in this build: the GPU "
+                    "backward kernels are not built yet (pass numpy arrays, or use "
+                    "cuattn.attention for the forward on the GPU)")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
+                       mask=None, bias=None, softcap=None, precision=None):
+    """Gradients of :func:`attention` with respect to q, k and v.
+
+    FlashAttention-2's algorithm: the attention probabilities are recomputed tile by tile
+    from q, k and the forward's ``lse``, so nothing of size Sq × Sk is stored.
+
+    Parameters
+    ----------
+    dout : (..., Sq, Dv) ndarray
+        Gradient of the loss with respect to the forward's output; dtype of q.
+    q, k, v : ndarray
+        The forward's inputs (see :func:`attention`).
+    out : (..., Sq, Dv) ndarray
+        The forward's output.
+    lse : (..., Sq) ndarray
+        The forward's ``lse`` (``return_lse=True``): float32, or float64 for float64.
+    scale, causal, window, mask, bias, softcap, precision
+        As given to the forward. ``bias`` is treated as a constant.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shapes and dtypes of q, k and v: where an input was broadcast, its gradient is summed
+        over the broadcast axes (NumPy's rule), so GQA gives dk and dv of k's and v's shape.
+        A row with no allowed key contributes zero. Repeated calls are bit-identical.
+
+    Raises
+    ------
+    NotImplementedError
+        For CuPy / CUDA inputs: this build's backward runs on the NumPy backend only.
+
+    Examples
+    --------
+    >>> import numpy as np, cuattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 8, 4)) for _ in range(3))
+    >>> out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> dq, dk, dv = cuattn.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.shape, dv.shape
+    ((2, 8, 4), (2, 8, 4), (2, 8, 4))
+    """
+    call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                           bias=bias, softcap=softcap, precision=precision)
+    dout, out, lse = check_backward(call, dout, out, lse)
+    if call.xp is not np:
+        raise NotImplementedError(_NO_GPU_BACKWARD)
+    return _cpu.attention_backward(call, dout, out, lse)
+
+
+def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
+                  softcap=None, precision=None):
+    """The forward and a function that computes its vector-Jacobian product.
+
+    Returns ``(out, vjp)``: ``out`` is ``attention(q, k, v, ...)`` and ``vjp(dout)`` returns
+    ``(dq, dk, dv)`` by :func:`attention_backward`, reusing the saved ``out`` and ``lse``.
+
+    Examples
+    --------
+    >>> import numpy as np, cuattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((3, 5, 4)).astype(np.float32) for _ in range(3))
+    >>> out, vjp = cuattn.attention_vjp(q, k, v)
+    >>> [g.shape for g in vjp(np.ones_like(out))]
+    [(3, 5, 4), (3, 5, 4), (3, 5, 4)]
+    """
+    kwargs = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
+                  softcap=softcap, precision=precision)
+    call = check_attention(q, k, v, return_lse=True, **kwargs)
+    if call.xp is not np:  # refuse before doing the forward's work
+        raise NotImplementedError(_NO_GPU_BACKWARD)
+    out, lse = _forward(call)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, out, lse, **kwargs)
+
+    return out, vjp
 
 
 def _forward(call: AttentionCall, kernel: str | None = None, tiles=None):

@@ -19,7 +19,8 @@ import numpy as np
 from ._checks import AttentionCall, check_attention
 
 __all__ = ["attention_reference", "attention_backward_reference", "attention_blocked",
-           "allowed_keys", "naive_attention", "accuracy_bound", "sum_to_shape"]
+           "attention_backward_blocked", "allowed_keys", "naive_attention",
+           "naive_attention_backward", "accuracy_bound", "sum_to_shape"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -190,6 +191,102 @@ def attention_blocked(call: AttentionCall, *, acc_dtype, block_m: int = 64, bloc
             out[..., rows, :] = np.where(l[..., None] == 0, 0, acc / l[..., None])
             lse[..., rows] = np.where(l == 0, -np.inf, m * LN2 + np.log(l))
     return out, lse
+
+
+def attention_backward_blocked(call: AttentionCall, dout, out, lse, *, acc_dtype,
+                               block_m: int = 64, block_n: int = 64):
+    """FlashAttention-2's backward in NumPy, for a validated NumPy call.
+
+    ``delta = rowsum(dout ∘ out)``; then for each key tile (``BLOCK_N`` keys) and each
+    query tile (``BLOCK_M`` rows) that its band reaches, P is recomputed from q, k and the
+    forward's ``lse`` (nothing of size Sq × Sk is kept), and ``dV += Pᵀ dO``,
+    ``dS = P ∘ (dO Vᵀ - delta)`` (times ``1 - tanh²`` under softcap), ``dK += dSᵀ Q · scale``,
+    ``dQ += dS K · scale``. Each tile's gradients are summed over the axes along which its
+    input was broadcast before they are accumulated, so memory is O(inputs + tiles). The
+    order of the sums is fixed: repeated calls give identical bits. Returns ``(dq, dk, dv)``
+    in ``acc_dtype`` with the shapes of q, k and v.
+    """
+    BLOCK_M, BLOCK_N = block_m, block_n
+    q, k, v = call.q, call.k, call.v
+    dq = np.zeros(q.shape, acc_dtype)
+    dk = np.zeros(k.shape, acc_dtype)
+    dv = np.zeros(v.shape, acc_dtype)
+    delta = (dout.astype(acc_dtype) * out.astype(acc_dtype)).sum(axis=-1)
+    off = call.seqlen_k - call.seqlen_q
+    for n0 in range(0, call.seqlen_k, BLOCK_N):
+        cols = slice(n0, min(n0 + BLOCK_N, call.seqlen_k))
+        k_blk = k[..., cols, :].astype(acc_dtype)
+        v_blk = v[..., cols, :].astype(acc_dtype)
+        dk_blk = np.zeros(k_blk.shape, acc_dtype)
+        dv_blk = np.zeros(v_blk.shape, acc_dtype)
+        # query rows whose band reaches these keys: j <= i + off + right, j >= i + off - left
+        m_lo, m_hi = 0, call.seqlen_q
+        if call.window_right >= 0:
+            m_lo = max(0, n0 - off - call.window_right) // BLOCK_M * BLOCK_M
+        if call.window_left >= 0:
+            m_hi = min(m_hi, cols.stop - 1 - off + call.window_left + 1)
+        for m0 in range(m_lo, max(m_lo, m_hi), BLOCK_M):
+            rows = slice(m0, min(m0 + BLOCK_M, call.seqlen_q))
+            q_blk = q[..., rows, :].astype(acc_dtype)
+            do_blk = dout[..., rows, :].astype(acc_dtype)
+            lse_blk = lse[..., rows].astype(acc_dtype)[..., None]
+            qk = q_blk @ np.swapaxes(k_blk, -1, -2)
+            s = call.scale * qk
+            if call.softcap:
+                t = np.tanh(s / call.softcap)
+                s = call.softcap * t
+            if call.bias is not None:
+                s = s + call.bias[..., rows, cols].astype(acc_dtype)
+            allowed = allowed_keys(call, rows, cols, call.mask)
+            with np.errstate(invalid="ignore", over="ignore"):
+                # a row with no allowed key has lse = -inf and contributes nothing
+                p = np.where(allowed & ~np.isneginf(lse_blk), np.exp(s - lse_blk), 0)
+            p = p.astype(acc_dtype)
+            dv_blk += sum_to_shape(np.swapaxes(p, -1, -2) @ do_blk, dv_blk.shape)
+            ds = p * (do_blk @ np.swapaxes(v_blk, -1, -2) - delta[..., rows, None])
+            if call.softcap:
+                ds = ds * (1 - t * t)
+            dq[..., rows, :] += sum_to_shape(ds @ k_blk * call.scale, dq[..., rows, :].shape)
+            dk_blk += sum_to_shape(np.swapaxes(ds, -1, -2) @ q_blk * call.scale, dk_blk.shape)
+        dk[..., cols, :] = dk_blk
+        dv[..., cols, :] = dv_blk
+    return dq, dk, dv
+
+
+def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
+    """Gradients by the plain formula in the input dtype: the yardstick of the gradient
+    accuracy rule (3 × its error). 16-bit inputs compute in float32 and round P, dP, dS and
+    the gradients to the input dtype; float32 and float64 run in their own precision."""
+    for name in ("return_lse", "precision"):
+        kwargs.pop(name, None)
+    call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
+    dtype = call.dtype
+    work = np.float64 if dtype == np.float64 else np.float32
+
+    def rnd(x):
+        return x.astype(dtype).astype(work)
+
+    q, k, v = (_host(x).astype(work) for x in (call.q, call.k, call.v))
+    dout = _host(dout).astype(work)
+    rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
+    s = _scores(call, q, k, call.bias, rows, cols)
+    s = np.where(allowed_keys(call, rows, cols, call.mask), rnd(s), -np.inf)
+    s_max = s.max(axis=-1, keepdims=True) if call.seqlen_k else np.zeros(s.shape[:-1] + (1,))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = np.exp(s - np.where(np.isneginf(s_max), 0, s_max))
+        total = e.sum(axis=-1, keepdims=True)
+        p = rnd(np.where(total == 0, 0, e / total))
+    out = rnd(p @ v)
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = rnd(dout @ np.swapaxes(v, -1, -2))
+    ds = rnd(p * (dp - (dout * out).sum(axis=-1, keepdims=True)))
+    if call.softcap:
+        t = np.tanh(call.scale * (q @ np.swapaxes(k, -1, -2)) / call.softcap)
+        ds = rnd(ds * (1 - t * t))
+    dq = ds @ k * call.scale
+    dk = np.swapaxes(ds, -1, -2) @ q * call.scale
+    shapes = (call.q.shape, call.k.shape, call.v.shape)
+    return tuple(sum_to_shape(g, sh).astype(dtype) for g, sh in zip((dq, dk, dv), shapes))
 
 
 def naive_attention(q, k, v, *, mask=None, bias=None, **kwargs):
