@@ -253,10 +253,9 @@ def attention_backward_blocked(call: AttentionCall, dout, out, lse, *, acc_dtype
     return dq, dk, dv
 
 
-def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
-    """Gradients by the plain formula in the input dtype: the yardstick of the gradient
-    accuracy rule (3 × its error). 16-bit inputs compute in float32 and round P, dP, dS and
-    the gradients to the input dtype; float32 and float64 run in their own precision."""
+def _naive_setup(q, k, v, mask, bias, kwargs):
+    """Validated call, work-precision q/k/v, the rounding function and the rounded P of the
+    naive yardstick: S and P rounded to the input dtype (16-bit inputs work in float32)."""
     for name in ("return_lse", "precision"):
         kwargs.pop(name, None)
     call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
@@ -267,15 +266,23 @@ def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
         return x.astype(dtype).astype(work)
 
     q, k, v = (_host(x).astype(work) for x in (call.q, call.k, call.v))
-    dout = _host(dout).astype(work)
     rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
-    s = _scores(call, q, k, call.bias, rows, cols)
-    s = np.where(allowed_keys(call, rows, cols, call.mask), rnd(s), -np.inf)
+    s = rnd(_scores(call, q, k, call.bias, rows, cols))
+    s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf)
     s_max = s.max(axis=-1, keepdims=True) if call.seqlen_k else np.zeros(s.shape[:-1] + (1,))
     with np.errstate(invalid="ignore", divide="ignore"):
         e = np.exp(s - np.where(np.isneginf(s_max), 0, s_max))
         total = e.sum(axis=-1, keepdims=True)
         p = rnd(np.where(total == 0, 0, e / total))
+    return call, (q, k, v), rnd, p
+
+
+def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
+    """Gradients by the plain formula in the input dtype: the yardstick of the gradient
+    accuracy rule (3 × its error). 16-bit inputs compute in float32 and round P, dP, dS and
+    the gradients to the input dtype; float32 and float64 run in their own precision."""
+    call, (q, k, v), rnd, p = _naive_setup(q, k, v, mask, bias, kwargs)
+    dout = _host(dout).astype(q.dtype)
     out = rnd(p @ v)
     dv = np.swapaxes(p, -1, -2) @ dout
     dp = rnd(dout @ np.swapaxes(v, -1, -2))
@@ -286,29 +293,15 @@ def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
     dq = ds @ k * call.scale
     dk = np.swapaxes(ds, -1, -2) @ q * call.scale
     shapes = (call.q.shape, call.k.shape, call.v.shape)
-    return tuple(sum_to_shape(g, sh).astype(dtype) for g, sh in zip((dq, dk, dv), shapes))
+    return tuple(sum_to_shape(g, sh).astype(call.dtype) for g, sh in zip((dq, dk, dv), shapes))
 
 
 def naive_attention(q, k, v, *, mask=None, bias=None, **kwargs):
     """softmax(q kᵀ) v computed plainly in the input dtype: the yardstick of the accuracy
     rule. 16-bit inputs accumulate in float32 and S, P and out are rounded to the input
     dtype; float32 and float64 run in their own precision."""
-    kwargs.pop("return_lse", None)
-    kwargs.pop("precision", None)
-    call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
-    dtype = call.dtype
-    work = np.float64 if dtype == np.float64 else np.float32
-    q, k, v = (_host(x).astype(work) for x in (call.q, call.k, call.v))
-    rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
-    s = _scores(call, q, k, None if call.bias is None else call.bias, rows, cols)
-    s = s.astype(dtype).astype(work)
-    s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf)
-    s_max = s.max(axis=-1, keepdims=True) if call.seqlen_k else np.zeros(s.shape[:-1] + (1,))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        e = np.exp(s - np.where(np.isneginf(s_max), 0, s_max))
-        total = e.sum(axis=-1, keepdims=True)
-        p = np.where(total == 0, 0, e / total).astype(dtype).astype(work)
-    out = (p @ v).astype(dtype)
+    call, (q, k, v), _, p = _naive_setup(q, k, v, mask, bias, kwargs)
+    out = (p @ v).astype(call.dtype)
     return np.array(np.broadcast_to(out, call.out_shape))
 
 

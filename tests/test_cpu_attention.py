@@ -3,6 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, poison
+from _features import FEATURES, feature_kwargs, seed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,17 +11,6 @@ import cuattn
 from cuattn.reference import attention_reference, naive_attention
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-FEATURES = {
-    "plain": {},
-    "causal": {"causal": True},
-    "window": {"window": (7, 3)},
-    "causal_window": {"causal": True, "window": (5, None)},
-    "softcap": {"softcap": 3.0, "scale": 0.4},
-    "mask": "mask",
-    "bias": "bias",
-}
-
-
 def _inputs(rng, dtype, batch=(2, 3), sq=37, sk=45, d=24, dv=16):
     q = rng.standard_normal(batch + (sq, d)).astype(dtype)
     k = rng.standard_normal(batch + (sk, d)).astype(dtype)
@@ -28,21 +18,12 @@ def _inputs(rng, dtype, batch=(2, 3), sq=37, sk=45, d=24, dv=16):
     return q, k, v
 
 
-def _feature_kwargs(rng, name, sq, sk):
-    kw = FEATURES[name]
-    if kw == "mask":
-        return {"mask": rng.random((2, 1, sq, sk)) > 0.3}
-    if kw == "bias":
-        return {"bias": rng.standard_normal((3, sq, sk)).astype(np.float32)}
-    return dict(kw)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("feature", FEATURES)
 def test_cpu_backend_matches_reference(dtype, feature):
-    rng = np.random.default_rng(hash(feature) % 1000)
+    rng = np.random.default_rng(seed(feature))
     q, k, v = _inputs(rng, dtype)
-    kw = _feature_kwargs(rng, feature, 37, 45)
+    kw = feature_kwargs(rng, feature, 37, 45)
     out = poison(np.empty((2, 3, 37, 16), dtype))
     got, lse = cuattn.attention(q, k, v, return_lse=True, out=out, **kw)
     assert got is out and lse.dtype == (np.float64 if dtype == np.float64 else np.float32)

@@ -4,31 +4,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import assert_accurate
+from _features import FEATURES, feature_kwargs, seed
 
 import cuattn
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-FEATURES = {
-    "plain": {},
-    "causal": {"causal": True},
-    "window": {"window": (9, 4)},
-    "causal_window": {"causal": True, "window": (6, None)},
-    "softcap": {"softcap": 2.0, "scale": 0.4},
-    "mask": "mask",
-    "bias": "bias",
-}
-
-
-def _kwargs(rng, name, sq, sk):
-    kw = FEATURES[name]
-    if kw == "mask":
-        return {"mask": rng.random((2, 1, sq, sk)) > 0.3}
-    if kw == "bias":
-        return {"bias": rng.standard_normal((3, sq, sk)).astype(np.float32)}
-    return dict(kw)
-
-
 def _grads(dtype, sq, sk, kw, rng, batch_q=(2, 3), batch_kv=(2, 3)):
     q = rng.standard_normal(batch_q + (sq, 24)).astype(dtype)
     k = rng.standard_normal(batch_kv + (sk, 24)).astype(dtype)
@@ -42,10 +23,10 @@ def _grads(dtype, sq, sk, kw, rng, batch_q=(2, 3), batch_kv=(2, 3)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("feature", FEATURES)
 def test_backward_matches_reference(dtype, feature):
-    rng = np.random.default_rng(len(feature))
-    kw = _kwargs(rng, feature, 37, 45)
+    rng = np.random.default_rng(seed(feature))
+    kw = feature_kwargs(rng, feature, 37, 45)
     inputs, got, want, naive = _grads(dtype, 37, 45, kw, rng)
     for name, x, g, w, n in zip("qkv", inputs, got, want, naive):
         assert g.shape == x.shape and g.dtype == x.dtype
