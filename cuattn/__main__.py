@@ -119,7 +119,8 @@ def cmd_bench(args) -> int:
     if _gpu() is None:
         print("bench needs a GPU", file=sys.stderr)
         return 2
-    results = bench.run(suites, json_path=args.json, plot_path=args.plot)
+    results = bench.run(suites, json_path=args.json, plot_path=args.plot,
+                        direction=args.direction, max_seqlen=args.max_seqlen)
     print(bench._format(results))
     return 0
 
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
                    ).set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="cuattn against its peers, one run")
     b.add_argument("--suite", action="append", help="vector_add, vit, fp32, fp64, long, train")
+    b.add_argument("--direction", choices=("fwd", "bwd"), help="only forward or backward rows")
+    b.add_argument("--max-seqlen", type=int, help="skip attention cases with longer sequences")
     b.add_argument("--json", default="cuattn-bench.json", help="write results here")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)

@@ -18,7 +18,9 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "Tiles", "MmaTiles", "KernelChoice",
-           "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances"]
+           "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
+           "BACKWARD_FAMILIES", "BACKWARD_TILES", "BwdTiles", "BackwardChoice",
+           "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
 THREADS = 256
 
@@ -248,6 +250,128 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
     return None
 
 
+# ---- backward ---------------------------------------------------------------------
+
+#: Backward families, most preferred first (the same rules as FAMILIES).
+BACKWARD_FAMILIES = (
+    Family("portable", "attention_backward_portable.cu", (5, 0),
+           ("float16", "bfloat16", "float32", "float64"), 1024,
+           "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
+           "query block, deterministic (no atomics)"),
+)
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    block_m: int   # query rows per tile
+    block_n: int   # keys per tile
+    d_tile: int    # largest contraction chunk and output-column tile
+    min_blocks: int = 1
+
+
+#: Portable backward: (dtypes, largest head dim, candidate tiles in order of preference,
+#: reason). Both kernels (dK/dV and dQ) use the chosen tiles; a call takes the first row that
+#: matches, then the first candidate whose shared memory fits; the last fits 48 KB.
+BACKWARD_TILES = (
+    (("float16", "bfloat16", "float32"), 64,
+     (BwdTiles(64, 64, 64), BwdTiles(16, 32, 64)),
+     "first version, not swept yet: 64x64 keeps K, V (or Q, dO) resident at 102 KB"),
+    (("float16", "bfloat16", "float32"), 1024,
+     (BwdTiles(64, 64, 128), BwdTiles(32, 32, 128), BwdTiles(16, 32, 64)),
+     "first version, not swept yet: 64x64 resident up to D 128 at 166 KB"),
+    (("float64",), 1024,
+     (BwdTiles(32, 32, 64), BwdTiles(16, 16, 32)),
+     "first version, not swept yet: 32x32 resident up to D 64 at 83 KB"),
+)
+
+
+@dataclass(frozen=True)
+class BackwardChoice:
+    family: str
+    filename: str
+    delta: str        # name expressions of the three kernels
+    dkdv: str
+    dq: str
+    tiles: BwdTiles
+    d_tile: int
+    resident: bool
+    smem_dkdv: int
+    smem_dq: int
+    threads: int = THREADS
+
+
+def backward_smem_bytes(tiles: BwdTiles, d_tile: int, acc_itemsize: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv and attention_bwd_dq (the .cu header)."""
+    pad = 16 // acc_itemsize
+    bm, bn = tiles.block_m, tiles.block_n
+    dkdv = 2 * bn * (d_tile + pad) + 2 * bm * (d_tile + pad) + 2 * bn * (bm + pad)
+    dq = 2 * bm * (d_tile + pad) + 2 * bn * (d_tile + pad) + bm * (bn + pad)
+    return dkdv * acc_itemsize, dq * acc_itemsize
+
+
+def _portable_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+                       grad_dtypes, smem_limit: int, tiles: BwdTiles | None = None):
+    name = np.dtype(dtype).name
+    head = max(head_dim, head_dim_v)
+    acc_itemsize = 8 if name == "float64" else 4
+    vec = 16 // acc_itemsize
+    candidates = (tiles,) if tiles is not None else next(
+        c for dtypes, max_d, c, _ in BACKWARD_TILES if name in dtypes and head <= max_d)
+    for tiles in candidates:
+        d_tile = min(_pow2_at_least(head, 16 * vec), tiles.d_tile)
+        smem = backward_smem_bytes(tiles, d_tile, acc_itemsize)
+        if max(smem) <= smem_limit:
+            break
+    else:
+        raise NotImplementedError(f"no portable backward tile configuration fits {smem_limit} "
+                                  f"bytes of shared memory for {name} with head dims "
+                                  f"{head_dim}, {head_dim_v}")
+    resident = head <= d_tile
+    t = c_type_name(dtype)
+    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+    common = (f"{bias_t}, {str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
+              f"{str(resident).lower()}, {tiles.min_blocks}")
+    g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
+    return BackwardChoice(
+        "portable", "attention_backward_portable.cu", f"attention_bwd_delta<{t}>",
+        f"attention_bwd_dkdv<{t}, {g_kv}, {common}>", f"attention_bwd_dq<{t}, {g_q}, {common}>",
+        tiles, d_tile, resident, *smem)
+
+
+def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
+                     grad_dtypes, kernel: str | None = None, tiles: BwdTiles | None = None):
+    """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
+    types the kernels write (dK and dV, dQ): the input dtype, or the accumulator type for a
+    gradient that is summed over broadcast axes afterwards."""
+    forced = kernel or os.environ.get("CUATTN_KERNEL") or None
+    names = [f.name for f in BACKWARD_FAMILIES]
+    if forced is not None and forced not in names:
+        raise NotImplementedError(f"kernel family {forced!r} has no backward in this build; "
+                                  f"available: {', '.join(names)}")
+    bias_dtype = None if call.bias is None else call.bias.dtype
+    choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
+                              call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
+                              cc, smem_limit, forced, tiles)
+    if choice is not None:
+        return choice
+    raise NotImplementedError(
+        f"no backward kernel family serves {call.dtype} with head dims ({call.head_dim}, "
+        f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dtypes, cc,
+                     smem_limit, forced, tiles):
+    for family in BACKWARD_FAMILIES:
+        if forced is not None and family.name != forced:
+            continue
+        if (cc >= family.min_cc and dtype.name in family.dtypes
+                and max(head_dim, head_dim_v) <= family.max_head_dim):
+            return _portable_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
+                                      grad_dtypes, smem_limit, tiles)
+    return None
+
+
 #: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for:
 #: A100, the 99 KB parts of Ampere/Ada (which take the fallback tiles), H100/H200
 GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_86": ((8, 6), 101376),
@@ -285,3 +409,27 @@ def _np_name(name: str):
         import ml_dtypes
         return ml_dtypes.bfloat16
     return name
+
+
+def backward_instances(arch: str):
+    """Every (filename, name expression, fast) of the backward that dispatch picks on
+    ``arch``, for the NVRTC gate: dtype x head-dim class x bias x mask x gradient storage
+    (the input dtype, or the accumulator type for broadcast inputs)."""
+    cc, limit = GATE_TARGETS[arch]
+    seen = {}
+    for family in BACKWARD_FAMILIES:
+        for name in family.dtypes:
+            dtype = np.dtype(_np_name(name))
+            acc = np.dtype("float64" if name == "float64" else "float32")
+            for head in (32, 64, 128, 256, 1024):
+                for bias in (None, name, "float32"):
+                    bias_dtype = bias and np.dtype(_np_name(bias))
+                    for has_mask in (False, True):
+                        for grads in ((dtype, dtype), (acc, acc)):
+                            choice = _choose_backward(dtype, head, head, bias_dtype, has_mask,
+                                                      grads, cc, limit, family.name, None)
+                            fast = bias is None and not has_mask and grads[0] == dtype
+                            for expr in (choice.delta, choice.dkdv, choice.dq):
+                                key = (choice.filename, expr)
+                                seen[key] = seen.get(key, False) or fast
+    return [(f, e, fast) for (f, e), fast in seen.items()]

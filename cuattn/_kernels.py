@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
-           "ATTN_PARAMS_DTYPE", "pack_attn_params", "c_type_name", "require_cupy"]
+           "ATTN_PARAMS_DTYPE", "pack_attn_params", "ATTN_BWD_PARAMS_DTYPE",
+           "pack_attn_bwd_params", "c_type_name", "require_cupy"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -182,3 +183,24 @@ def pack_attn_params(ints: list[int], scale: float, softcap: float,
     lse, mask, bias; b0, b1, b2, row, col each)."""
     buf = _ATTN_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides)
     return np.frombuffer(buf, ATTN_PARAMS_DTYPE)[0]
+
+
+#: The backward's parameter block, ``AttnBwdParams`` in ``cuda/common.cuh``: the forward's
+#: block, then the backward's own pointers, grid sizes and strides.
+ATTN_BWD_PARAMS_DTYPE = np.dtype(
+    [("f", ATTN_PARAMS_DTYPE)]
+    + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
+                               "num_col_tiles")]
+    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")],
+    align=True)
+_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q")
+assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
+
+
+def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
+                         bwd_ints: list[int], bwd_strides: list[int]) -> np.void:
+    """The AttnBwdParams block: the forward's fields as for :func:`pack_attn_params`, then
+    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles) and
+    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv)."""
+    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides)
+    return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]

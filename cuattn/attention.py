@@ -13,7 +13,8 @@ import numpy as np
 
 from . import _cpu, _dispatch
 from ._checks import AttentionCall, check_attention, check_backward, lse_dtype
-from ._kernels import get_kernel, pack_attn_params
+from ._kernels import get_kernel, pack_attn_bwd_params, pack_attn_params
+from .reference import sum_to_shape
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
 
@@ -90,11 +91,6 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     return (out, lse) if call.return_lse else out
 
 
-_NO_GPU_BACKWARD = ("the backward pass runs on NumPy inputs only in this build: the GPU "
-                    "backward kernels are not built yet (pass numpy arrays, or use "
-                    "cuattn.attention for the forward on the GPU)")
-
-
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
                        mask=None, bias=None, softcap=None, precision=None):
     """Gradients of :func:`attention` with respect to q, k and v.
@@ -124,8 +120,16 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
 
     Raises
     ------
-    NotImplementedError
-        For CuPy / CUDA inputs: this build's backward runs on the NumPy backend only.
+    TypeError, ValueError
+        As for :func:`attention`, and when dout, out or lse do not match the call.
+
+    Notes
+    -----
+    On CuPy arrays three kernels run on the current stream: ``delta = rowsum(dout ∘ out)``,
+    then dK and dV per key block and dQ per query block, each gradient element written once
+    (no atomics). A gradient of a broadcast input is computed per batch entry in float32
+    (float64 for float64) and summed over the broadcast axes, which takes that much extra
+    memory; otherwise the extra memory is ``delta``, one number per query row.
 
     Examples
     --------
@@ -140,9 +144,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, precision=precision)
     dout, out, lse = check_backward(call, dout, out, lse)
-    if call.xp is not np:
-        raise NotImplementedError(_NO_GPU_BACKWARD)
-    return _cpu.attention_backward(call, dout, out, lse)
+    return _backward(call, dout, out, lse)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
@@ -164,8 +166,6 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
     kwargs = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                   softcap=softcap, precision=precision)
     call = check_attention(q, k, v, return_lse=True, **kwargs)
-    if call.xp is not np:  # refuse before doing the forward's work
-        raise NotImplementedError(_NO_GPU_BACKWARD)
     out, lse = _forward(call)
 
     def vjp(dout):
@@ -180,6 +180,22 @@ def _forward(call: AttentionCall, kernel: str | None = None, tiles=None):
     if call.xp is np:
         return _cpu.attention_forward(call)
     return _forward_gpu(call, kernel, tiles)
+
+
+def _backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
+    """Gradients of a validated call on its backend (``kernel``, ``tiles`` as for
+    :func:`_forward`)."""
+    if call.xp is np:
+        return _cpu.attention_backward(call, dout, out, lse)
+    return _backward_gpu(call, dout, out, lse, kernel, tiles)
+
+
+def _attention_backward(dout, q, k, v, out, lse, *, kernel=None, tiles=None, **kwargs):
+    """The private backward dispatcher: :func:`attention_backward` with a forced kernel
+    family or tiles."""
+    call = check_attention(q, k, v, **kwargs)
+    dout, out, lse = check_backward(call, dout, out, lse)
+    return _backward(call, dout, out, lse, kernel, tiles)
 
 
 def _attention(q, k, v, *, kernel=None, tiles=None, **kwargs):
@@ -227,6 +243,54 @@ def _device_limits(device_id: int) -> tuple[tuple[int, int], int]:
     return (int(cc[:-1]), int(cc[-1])), int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
 
 
+def _layout(batch, tensors):
+    """Collapse the batch axes of every present tensor into at most three kernel axes.
+
+    ``tensors`` holds ``(array or None, strides over batch + its two last axes)`` per slot of
+    the parameter block. Returns the three inner extents (outermost first), the flat list of
+    5 strides per slot (b0, b1, b2, row, col; zeros for an absent array) and one list of slot
+    pointers per launch: batch axes that did not collapse into three are a loop here."""
+    nb = len(batch)
+    present = [i for i, (x, _) in enumerate(tensors) if x is not None]
+    groups = _collapse_batch(batch, [tensors[i][1][:nb] for i in present])
+    outer, inner = groups[:-3], groups[-3:]
+    inner = [(1, [0] * len(present))] * (3 - len(inner)) + inner
+    strides = [0] * (5 * len(tensors))
+    for slot, i in enumerate(present):
+        strides[5 * i:5 * i + 5] = [g[1][slot] for g in inner] + list(tensors[i][1][nb:])
+
+    def pointer_sets():
+        for index in np.ndindex(*(g[0] for g in outer)):
+            pointers = [0] * len(tensors)
+            for slot, i in enumerate(present):
+                x = tensors[i][0]
+                offset = sum(ix * g[1][slot] for ix, g in zip(index, outer))
+                pointers[i] = x.data.ptr + offset * x.itemsize
+            yield pointers
+
+    return [g[0] for g in inner], strides, pointer_sets()
+
+
+def _forward_tensors(call: AttentionCall, out, lse):
+    """The forward's seven parameter-block slots: q, k, v, out, lse, mask, bias."""
+    batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
+    return [
+        (call.q, _broadcast_strides(call.q, batch + call.q.shape[-2:])),
+        (call.k, _broadcast_strides(call.k, batch + call.k.shape[-2:])),
+        (call.v, _broadcast_strides(call.v, batch + call.v.shape[-2:])),
+        (out, _broadcast_strides(out, out.shape)),
+        (lse, None if lse is None else _broadcast_strides(lse, lse.shape) + [0]),
+        (call.mask, call.mask is not None and _broadcast_strides(call.mask, batch + sq_sk)),
+        (call.bias, call.bias is not None and _broadcast_strides(call.bias, batch + sq_sk)),
+    ]
+
+
+def _sizes(call: AttentionCall, extents, num_m: int, num_dv: int) -> list[int]:
+    """The integer fields of AttnParams after the seven pointers."""
+    return [extents[1], extents[2], call.seqlen_q, call.seqlen_k, call.head_dim,
+            call.head_dim_v, call.window_left, call.window_right, num_m, num_dv]
+
+
 def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     cupy = call.xp
     with call.q.device:
@@ -238,42 +302,69 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
         cc, smem_limit = _device_limits(call.q.device.id)
         choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
         fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-
-        batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
-        # (array, strides over batch + its two last axes) in AttnParams order; absent
-        # arguments keep pointer 0 and zero strides
-        tensors = [
-            (call.q, _broadcast_strides(call.q, batch + call.q.shape[-2:])),
-            (call.k, _broadcast_strides(call.k, batch + call.k.shape[-2:])),
-            (call.v, _broadcast_strides(call.v, batch + call.v.shape[-2:])),
-            (out, _broadcast_strides(out, out.shape)),
-            (lse, None if lse is None else _broadcast_strides(lse, lse.shape) + [0]),
-            (call.mask, call.mask is not None and _broadcast_strides(call.mask, batch + sq_sk)),
-            (call.bias, call.bias is not None and _broadcast_strides(call.bias, batch + sq_sk)),
-        ]
-        nb = len(batch)
-        present = [i for i, (x, _) in enumerate(tensors) if x is not None]
-        groups = _collapse_batch(batch, [tensors[i][1][:nb] for i in present])
-        outer, inner = groups[:-3], groups[-3:]
-        inner = [(1, [0] * len(present))] * (3 - len(inner)) + inner
-        strides = [0] * 35
-        for slot, i in enumerate(present):
-            strides[5 * i:5 * i + 5] = ([g[1][slot] for g in inner] + tensors[i][1][nb:])
+        extents, strides, pointer_sets = _layout(call.batch_shape,
+                                                 _forward_tensors(call, out, lse))
         num_m = -(-call.seqlen_q // choice.tiles.block_m)
         num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-        grid = (num_m * num_dv * inner[0][0] * inner[1][0] * inner[2][0],)
-        sizes = [inner[1][0], inner[2][0], call.seqlen_q, call.seqlen_k, call.head_dim,
-                 call.head_dim_v, call.window_left, call.window_right, num_m, num_dv]
-        # batch axes that did not collapse into three: one launch per outer index
-        for index in np.ndindex(*(g[0] for g in outer)):
-            pointers = [0] * 7
-            for slot, i in enumerate(present):
-                x = tensors[i][0]
-                offset = sum(ix * g[1][slot] for ix, g in zip(index, outer))
-                pointers[i] = x.data.ptr + offset * x.itemsize
+        grid = (num_m * num_dv * math.prod(extents),)
+        sizes = _sizes(call, extents, num_m, num_dv)
+        for pointers in pointer_sets:
             params = pack_attn_params(pointers + sizes, call.scale, call.softcap, strides)
             fn(grid, (choice.threads,), (params,), shared_mem=choice.shared_mem)
     return out, lse
+
+
+def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
+    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels. A
+    gradient of an input that was broadcast over batch axes is computed per batch entry in
+    the accumulator type and summed over those axes (a deterministic CuPy reduction)."""
+    cupy = call.xp
+    acc = lse_dtype(call.dtype)
+    batch = call.batch_shape
+    nbatch = math.prod(batch)
+    inputs = (call.q, call.k, call.v)
+    with call.q.device:
+        if nbatch == 0 or call.seqlen_q == 0 or call.seqlen_k == 0:
+            return tuple(cupy.zeros(x.shape, call.dtype) for x in inputs)
+        # a gradient the kernels can write in place has no broadcast batch axis
+        direct = [math.prod(x.shape[:-2]) == nbatch for x in inputs]
+        kv_dtype = call.dtype if direct[1] and direct[2] else acc
+        q_dtype = call.dtype if direct[0] else acc
+        targets = [cupy.empty(x.shape if g == call.dtype else batch + x.shape[-2:], g)
+                   for x, g in zip(inputs, (q_dtype, kv_dtype, kv_dtype))]
+        delta = cupy.empty(call.lse_shape, acc)
+        cc, smem_limit = _device_limits(call.q.device.id)
+        choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), kernel,
+                                            tiles)
+        tensors = _forward_tensors(call, out, lse) + [
+            (dout, _broadcast_strides(dout, dout.shape)),
+            (delta, _broadcast_strides(delta, delta.shape) + [0]),
+        ] + [(g, _broadcast_strides(g, batch + g.shape[-2:])) for g in targets]
+        extents, strides, pointer_sets = _layout(batch, tensors)
+        sizes = _sizes(call, extents, 0, 0)
+        inner = math.prod(extents)
+        launches = [
+            (choice.delta, 0, inner * call.seqlen_q, 1, -(-inner * call.seqlen_q // 8)),
+            (choice.dkdv, choice.smem_dkdv, -(-call.seqlen_k // choice.tiles.block_n),
+             -(-max(call.head_dim, call.head_dim_v) // choice.d_tile), None),
+            (choice.dq, choice.smem_dq, -(-call.seqlen_q // choice.tiles.block_m),
+             -(-call.head_dim // choice.d_tile), None),
+        ]
+        kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
+                   for expr, smem, *_ in launches]
+        for pointers in pointer_sets:
+            for fn, (_, smem, rows, cols, grid) in zip(kernels, launches):
+                params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
+                                              strides[:35], pointers[7:] + [rows, cols],
+                                              strides[35:])
+                fn((grid or rows * cols * inner,), (choice.threads,), (params,),
+                   shared_mem=smem)
+        grads = []
+        for x, g in zip(inputs, targets):
+            if g.shape != x.shape or g.dtype != call.dtype:
+                g = sum_to_shape(g, x.shape).astype(call.dtype, copy=False)
+            grads.append(g)
+    return tuple(grads)
 
 
 def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None, b_v=None,

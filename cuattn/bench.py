@@ -5,8 +5,11 @@ backend at a time (flash = FlashAttention-2, cudnn, efficient, math) on the same
 through DLPack; for vector_add, ``cupy.add``, a device-to-device copy (the bandwidth
 ceiling) and a Triton kernel. Times are CUDA-event medians after warm-up; inputs are drawn
 with ``standard_normal``. FLOPs follow FlashAttention: forward ``4·B·H·Sq·Sk·D``, halved
-for causal. Peak extra device memory is the CuPy pool's (or PyTorch's) high-water mark of
-one call minus what was held before it. See PERF.md for the suites and the targets.
+for causal; backward 2.5× that. A backward row times the gradients alone: cuattn's
+``attention_backward`` from a saved ``out`` and ``lse``, the PyTorch peers'
+``torch.autograd.grad`` through a retained graph of one forward. Peak extra device memory
+is the CuPy pool's (or PyTorch's) high-water mark of one call minus what was held before
+it. See PERF.md for the suites and the targets.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Case:
     causal: bool = False
     precision: str | None = None
     n: int = 0
+    direction: str = "fwd"    # "fwd" or "bwd" (attention only)
 
     @property
     def label(self) -> str:
@@ -41,13 +45,15 @@ class Case:
             return f"vector_add n=2^{int(math.log2(self.n))} {self.dtype}"
         extra = (" causal" if self.causal else "")
         extra += f" {self.precision}" if self.precision else ""
+        extra += " bwd" if self.direction == "bwd" else ""
         return (f"B{self.batch} H{self.heads} S{self.seqlen} D{self.head_dim} "
                 f"{self.dtype}{extra}")
 
     @property
     def flops(self) -> float:
         f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
-        return f / 2 if self.causal else f
+        f = f / 2 if self.causal else f
+        return 2.5 * f if self.direction == "bwd" else f
 
 
 @dataclass
@@ -65,8 +71,10 @@ class Result:
     rows: list[Row] = field(default_factory=list)
 
 
-def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,)):
-    return [Case(suite, "attention", dt, b, h, s, d, c, p) for (b, h, s, d) in shapes
+def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,),
+                directions=("fwd",)):
+    return [Case(suite, "attention", dt, b, h, s, d, c, p, direction=di)
+            for di in directions for (b, h, s, d) in shapes
             for dt in dtypes for c in causals for p in precisions]
 
 
@@ -80,10 +88,11 @@ SUITES = {
                    for dt in ("float32", "float16")],
     "vit": _attn_cases("vit", [(64, 12, 197, 64)], ("float16", "bfloat16", "float32"), (False,)),
     "fp32": _attn_cases("fp32", [(4, 16, 4096, 64), (4, 16, 4096, 128)], ("float32",),
-                        precisions=("highest", "tf32")),
+                        precisions=("highest", "tf32"), directions=("fwd", "bwd")),
     "long": _attn_cases("long", [(1, 16, 16384, 128), (1, 16, 32768, 128)],
-                        ("bfloat16", "float32", "float64")),
-    "train": _attn_cases("train", _train_shapes(), ("bfloat16", "float16")),
+                        ("bfloat16", "float32", "float64"), directions=("fwd", "bwd")),
+    "train": _attn_cases("train", _train_shapes(), ("bfloat16", "float16"),
+                         directions=("fwd", "bwd")),
     "fp64": _attn_cases("fp64", [(1, 16, 4096, 64)], ("float64",)),
 }
 
@@ -147,32 +156,15 @@ def _naive(cupy, q, k, v, causal, scale):
 
 
 def _attention_rows(case: Case, cupy, torch):
-    import cuattn
     dtype = np.dtype(case.dtype) if case.dtype != "bfloat16" else np.dtype("bfloat16")
     shape = (case.batch, case.heads, case.seqlen, case.head_dim)
     q, k, v = (cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
                for _ in range(3))
     scale = 1.0 / math.sqrt(case.head_dim)
-    impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal,
-                                                precision=case.precision)}
-    score_bytes = case.batch * case.heads * case.seqlen**2 * 4
-    if score_bytes * 3 < 60 * 2**30 and case.precision != "tf32":
-        impls["naive cupy"] = lambda: _naive(cupy, q, k, v, case.causal, scale)
-    if torch is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-        for name, backend in (("torch flash", SDPBackend.FLASH_ATTENTION),
-                              ("torch cudnn", SDPBackend.CUDNN_ATTENTION),
-                              ("torch efficient", SDPBackend.EFFICIENT_ATTENTION),
-                              ("torch math", SDPBackend.MATH)):
-            if name == "torch math" and score_bytes * 3 * dtype.itemsize / 4 > 60 * 2**30:
-                continue
-
-            def call(backend=backend):
-                with sdpa_kernel([backend]):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        tq, tk, tv, is_causal=case.causal, scale=scale)
-            impls[name] = call
+    if case.direction == "bwd":
+        impls = _backward_impls(case, cupy, torch, q, k, v, scale)
+    else:
+        impls = _forward_impls(case, cupy, torch, q, k, v, scale)
     rows = []
     for name, fn in impls.items():
         allow_tf32 = None
@@ -192,6 +184,77 @@ def _attention_rows(case: Case, cupy, torch):
             if torch is not None:
                 torch.cuda.empty_cache()
     return rows
+
+
+def _torch_backends(torch):
+    from torch.nn.attention import SDPBackend
+    return (("torch flash", SDPBackend.FLASH_ATTENTION),
+            ("torch cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("torch efficient", SDPBackend.EFFICIENT_ATTENTION),
+            ("torch math", SDPBackend.MATH))
+
+
+def _math_fits(case: Case, dtype) -> bool:
+    """Does PyTorch's math backend (which materialises the scores) fit the GPU?"""
+    score_bytes = case.batch * case.heads * case.seqlen**2 * 4
+    factor = 3 if case.direction == "fwd" else 6
+    return score_bytes * factor * dtype.itemsize / 4 <= 60 * 2**30
+
+
+def _forward_impls(case: Case, cupy, torch, q, k, v, scale):
+    import cuattn
+    dtype = q.dtype
+    impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal,
+                                                precision=case.precision)}
+    score_bytes = case.batch * case.heads * case.seqlen**2 * 4
+    if score_bytes * 3 < 60 * 2**30 and case.precision != "tf32":
+        impls["naive cupy"] = lambda: _naive(cupy, q, k, v, case.causal, scale)
+    if torch is not None:
+        from torch.nn.attention import sdpa_kernel
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        for name, backend in _torch_backends(torch):
+            if name == "torch math" and not _math_fits(case, dtype):
+                continue
+
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=case.causal, scale=scale)
+            impls[name] = call
+    return impls
+
+
+def _backward_impls(case: Case, cupy, torch, q, k, v, scale):
+    """Gradient-only callables: cuattn from a saved out and lse; PyTorch through autograd on
+    one retained forward graph per backend (built lazily, inside the timing's warm-up)."""
+    import cuattn
+    dtype = q.dtype
+    out, lse = cuattn.attention(q, k, v, causal=case.causal, precision=case.precision,
+                                return_lse=True)
+    dout = cupy.random.standard_normal(out.shape, dtype=cupy.float32).astype(dtype)
+    impls = {"cuattn": lambda: cuattn.attention_backward(dout, q, k, v, out, lse,
+                                                         causal=case.causal,
+                                                         precision=case.precision)}
+    if torch is not None:
+        from torch.nn.attention import sdpa_kernel
+        tdo = torch.from_dlpack(dout)
+        for name, backend in _torch_backends(torch):
+            if name == "torch math" and not _math_fits(case, dtype):
+                continue
+            graph = {}
+
+            def call(backend=backend, graph=graph):
+                if not graph:
+                    tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_()
+                                  for x in (q, k, v))
+                    with sdpa_kernel([backend]):
+                        graph["out"] = torch.nn.functional.scaled_dot_product_attention(
+                            tq, tk, tv, is_causal=case.causal, scale=scale)
+                    graph["inputs"] = (tq, tk, tv)
+                return torch.autograd.grad(graph["out"], graph["inputs"], tdo,
+                                           retain_graph=True)
+            impls[name] = call
+    return impls
 
 
 # ---- vector add ----------------------------------------------------------------------
@@ -308,8 +371,10 @@ def environment(cupy) -> dict:
             "python": platform.python_version(), "command": " ".join(sys.argv)}
 
 
-def run(suites, json_path=None, plot_path=None, progress=print) -> list[Result]:
-    """Run the named suites; print a progress line per case and return the results."""
+def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
+        max_seqlen=None) -> list[Result]:
+    """Run the named suites (only the ``direction`` rows, "fwd" or "bwd", and sequences up
+    to ``max_seqlen`` when given); print a progress line per case and return the results."""
     from ._kernels import require_cupy
     cupy = require_cupy()
     torch = _try_import("torch")
@@ -318,6 +383,10 @@ def run(suites, json_path=None, plot_path=None, progress=print) -> list[Result]:
     results = []
     for name in suites:
         for case in SUITES[name]:
+            if case.kind == "attention" and (
+                    (direction is not None and case.direction != direction)
+                    or (max_seqlen is not None and case.seqlen > max_seqlen)):
+                continue
             t0 = time.perf_counter()
             rows = (_vector_add_rows if case.kind == "vector_add" else _attention_rows)(
                 case, cupy, torch)

@@ -79,6 +79,18 @@ struct AttnParams {
     Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s;
 };
 
+// The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
+// their strides) plus the arrays only the backward reads or writes. The grids of the two
+// backward kernels are num_row_blocks (key blocks for dK/dV, query blocks for dQ) x
+// num_col_tiles (output-column tiles) x batch; f.num_m_blocks and f.num_dv_tiles are unused.
+// Mirrored by cuattn/_kernels.py::ATTN_BWD_PARAMS_DTYPE.
+struct AttnBwdParams {
+    AttnParams f;
+    long long dout, delta, dq, dk, dv;        // device addresses; delta: acc type, (batch, Sq)
+    long long num_row_blocks, num_col_tiles;  // grid decomposition, computed in Python
+    Strides dout_s, delta_s, dq_s, dk_s, dv_s;
+};
+
 // Offset of element (b, row, col) of a tensor described by strides s, where b is the
 // flattened batch index decomposed with the extents batch1, batch2.
 __device__ __forceinline__ long long batch_offset(const Strides& s, long long b,

@@ -2,13 +2,13 @@
 and sm_90 without a GPU, and the fast ones do not spill."""
 import pytest
 
-from cuattn._dispatch import GATE_TARGETS, forward_instances
+from cuattn._dispatch import GATE_TARGETS, backward_instances, forward_instances
 from cuattn._gate import compile_instance
 from cuattn.elementwise import VECTOR_ADD_DTYPES, vector_add_instance
 
 VECTOR_ADD = [("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
 INSTANCES = [(arch, *inst) for arch in GATE_TARGETS
-             for inst in VECTOR_ADD + forward_instances(arch)]
+             for inst in VECTOR_ADD + forward_instances(arch) + backward_instances(arch)]
 
 
 @pytest.mark.parametrize("arch,filename,expr,fast", INSTANCES,

@@ -1,0 +1,374 @@
+// attention_backward_portable.cu -- the backward of attention on CUDA cores, every dtype.
+//
+// Computes:   the gradients of out = softmax(s) v with respect to q, k and v, where s is the
+//             forward's score (scale, softcap, bias, masking as API.md "Semantics"), by
+//             FlashAttention-2's recomputation: with delta_i = sum_c dout[i, c] out[i, c]
+//             and the forward's lse, each tile of
+//                 P  = exp(s - lse)                      (0 where the key is not allowed)
+//                 dP = dO V^T
+//                 dS = P o (dP - delta)                  (times 1 - tanh^2 under softcap)
+//             is rebuilt on chip, and dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K.
+//             Nothing of size Sq x Sk is written to global memory.
+// Kernels:    attention_bwd_delta   one warp per query row: delta (acc type); its grid
+//                                   covers num_row_blocks = batch x Sq rows.
+//             attention_bwd_dkdv    one block owns BLOCK_N keys and one D_TILE-column tile
+//                                   of dK and dV; it walks the query tiles that the band
+//                                   reaches and keeps dK, dV in registers.
+//             attention_bwd_dq      one block owns BLOCK_M query rows and one column tile of
+//                                   dQ; it walks the key tiles of the band.
+//             Each gradient element is written by exactly one thread, once, after a loop
+//             in a fixed order: no atomics, so repeated calls are bit-identical.
+// Layout:     every tensor through explicit element strides (AttnBwdParams, common.cuh) with
+//             three collapsed batch axes; dq, dk, dv have the full broadcast batch shape here
+//             (cuattn/attention.py sums them over broadcast axes afterwards).
+// Threads:    256 as a 16 x 16 grid (portable_tiles.cuh). dK/dV kernel: thread (ty, tx) owns
+//             keys ty*TN .. ty*TN+TN-1 of the block and query columns tx + 16*j of each score
+//             tile; dQ kernel: query rows ty*TM .. and key columns tx + 16*j.
+// Template:   T storage type of the inputs; G of the gradients (T, or Acc<T> for a gradient
+//             that Python sums over broadcast axes afterwards); BiasT (NoBias: none); HAS_MASK; BLOCK_M, BLOCK_N tile rows of Q
+//             and K; D_TILE contraction chunk and output-column tile; RESIDENT: both head dims
+//             fit in one D_TILE, so the block's own K, V (dK/dV) or Q, dO (dQ) stay in shared
+//             memory and serve both the scores and the gradient products; otherwise every
+//             tile is re-read per chunk and the column tiles recompute the scores.
+// Shared mem: dK/dV: 2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(BLOCK_M+PAD);
+//             dQ:    2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(D_TILE+PAD) + BLOCK_M*(BLOCK_N+PAD)
+//             elements of Acc<T>, PAD = 16 bytes; cuattn/_dispatch.py computes the same.
+// Reference:  cuattn/reference.py::attention_backward_reference (float64, dense) and
+//             ::attention_backward_blocked (this loop order, in NumPy).
+#include "portable_tiles.cuh"
+
+namespace {
+
+using namespace cuattn;
+using namespace cuattn::portable;
+
+// Constants of the score transform, in log2 units.
+template <typename A> struct ScoreConsts {
+    A scale_log2, softcap, cap_over_scale;
+    __device__ explicit ScoreConsts(const AttnParams& p)
+        : scale_log2(A(p.scale * LOG2E)), softcap(A(p.softcap)),
+          cap_over_scale(p.softcap > 0 ? A(p.scale / p.softcap) : A(0)) {}
+};
+
+// One element: s holds q_r . k_c and becomes P = exp(s - lse_r); dp holds dO_r . v_c and
+// becomes dS = P (dp - delta_r), times 1 - tanh^2 under softcap. A key that is not allowed
+// for row r (outside the sequences, the band or the bool mask), or a row with lse = -inf
+// (nothing allowed), gives P = dS = 0. `interior` (block-uniform): the tile lies inside both
+// sequences and the band and no mask is read, so only the arithmetic remains.
+template <bool HAS_MASK, typename A, typename BiasT>
+__device__ __forceinline__ void p_and_ds(A& s, A& dp, const AttnParams& p, const ScoreConsts<A>& k,
+                                         long long r, long long c, A lse_log2, A delta,
+                                         bool interior, const unsigned char* mask,
+                                         const BiasT* bias) {
+    bool allowed = interior;
+    if (!interior) {
+        allowed = r < p.seqlen_q && c < p.seqlen_k &&
+                  in_window(r, c, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right);
+        if constexpr (HAS_MASK)
+            if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
+    }
+    allowed = allowed && lse_log2 != neg_inf<A>();
+    A x, dcap = A(1);
+    if (k.softcap > A(0)) {
+        const A t = tanh_acc(s * k.cap_over_scale);
+        x = k.softcap * A(LOG2E) * t;
+        dcap = A(1) - t * t;
+    } else {
+        x = s * k.scale_log2;
+    }
+    if constexpr (!is_same_v<BiasT, NoBias>)
+        if (allowed) x += to_acc(bias[r * p.bias_s.row + c * p.bias_s.col]) * A(LOG2E);
+    const A prob = allowed ? fast_exp2(x - lse_log2) : A(0);
+    s = prob;
+    dp = allowed ? prob * (dp - delta) * dcap : A(0);
+}
+
+// Does the tile [r0, r0 + rows) x [c0, c0 + cols) lie inside both sequences and inside the
+// causal/window band for every one of its elements?
+__device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long r0, int rows,
+                                                 long long c0, int cols) {
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long r1 = r0 + rows - 1, c1 = c0 + cols - 1;
+    return r1 < p.seqlen_q && c1 < p.seqlen_k &&
+           (p.window_left < 0 || c0 >= r1 + off - p.window_left) &&
+           (p.window_right < 0 || c1 <= r0 + off + p.window_right);
+}
+
+}  // namespace
+
+// delta[b, i] = sum_c dout[b, i, c] * out[b, i, c] in the accumulator type; one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(THREADS) attention_bwd_delta(const AttnBwdParams bp) {
+    using A = Acc<T>;
+    const AttnParams& p = bp.f;
+    const long long row = (long long)blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= bp.num_row_blocks) return;  // for this kernel: the number of rows, batch x Sq
+    const long long b = row / p.seqlen_q, i = row % p.seqlen_q;
+    const T* dout = reinterpret_cast<const T*>(bp.dout) +
+                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + i * bp.dout_s.row;
+    const T* out = reinterpret_cast<const T*>(p.out) +
+                   batch_offset(p.out_s, b, p.batch1, p.batch2) + i * p.out_s.row;
+    A sum = A(0);
+    for (long long c = lane; c < p.head_dim_v; c += 32)
+        sum = fma(to_acc(dout[c * bp.dout_s.col]), to_acc(out[c * p.out_s.col]), sum);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+        A* delta = reinterpret_cast<A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+        delta[i * bp.delta_s.row] = sum;
+    }
+}
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N,
+          int D_TILE, bool RESIDENT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const AttnBwdParams bp) {
+    using A = Acc<T>;
+    constexpr int VEC = 16 / sizeof(A), PAD = VEC;
+    constexpr int TN = BLOCK_N / 16, TQ = BLOCK_M / 16, TC = D_TILE / 16;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % (16 * VEC) == 0,
+                  "BLOCK_M, BLOCK_N must be multiples of 16, D_TILE of 16*VEC");
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* k_s = reinterpret_cast<A*>(smem_raw);     // [BLOCK_N][D_TILE + PAD]
+    A* v_s = k_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_N][D_TILE + PAD]
+    A* q_s = v_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_M][D_TILE + PAD]
+    A* do_s = q_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_M][D_TILE + PAD]
+    A* p_s = do_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_N][BLOCK_M + PAD]: P^T
+    A* ds_s = p_s + BLOCK_N * (BLOCK_M + PAD);   // [BLOCK_N][BLOCK_M + PAD]: dS^T
+
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const long long n_block = blockIdx.x % bp.num_row_blocks;
+    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
+    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    const long long n0 = n_block * BLOCK_N, c0 = col_tile * D_TILE;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
+    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
+    const A* lse = reinterpret_cast<const A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const A* delta = reinterpret_cast<const A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // The query rows whose band reaches keys n0 .. n_last; other query tiles are skipped.
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    long long m_lo = 0, m_hi = p.seqlen_q;
+    if (p.window_right >= 0) m_lo = max(0LL, n0 - off - p.window_right) / BLOCK_M * BLOCK_M;
+    if (p.window_left >= 0) m_hi = min(m_hi, n_last - off + p.window_left + 1);
+
+    const long long rows_k = p.seqlen_k - n0;
+    const long long head = max(p.head_dim, p.head_dim_v);
+    const int num_chunks = RESIDENT ? 1 : (int)((head + D_TILE - 1) / D_TILE);
+    if constexpr (RESIDENT) {  // this block's K and V, whole; visible after the first barrier
+        load_tile<BLOCK_N, D_TILE, PAD>(k_s, k, p.k_s.row, p.k_s.col, rows_k, p.head_dim);
+        load_tile<BLOCK_N, D_TILE, PAD>(v_s, v, p.v_s.row, p.v_s.col, rows_k, p.head_dim_v);
+    }
+    const ScoreConsts<A> consts(p);
+
+    A dk[TN][TC], dv[TN][TC];
+#pragma unroll
+    for (int i = 0; i < TN; ++i)
+#pragma unroll
+        for (int c = 0; c < TC; ++c) dk[i][c] = dv[i][c] = A(0);
+
+    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M) {
+        const long long rows_q = p.seqlen_q - m0;
+        A s[TN][TQ], dp[TN][TQ];  // S^T and dP^T: keys down, queries across
+#pragma unroll
+        for (int i = 0; i < TN; ++i)
+#pragma unroll
+            for (int j = 0; j < TQ; ++j) s[i][j] = dp[i][j] = A(0);
+        for (int dc = 0; dc < num_chunks; ++dc) {
+            const long long d0 = (long long)dc * D_TILE;
+            if constexpr (!RESIDENT) {
+                load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + d0 * p.k_s.col, p.k_s.row, p.k_s.col,
+                                                rows_k, p.head_dim - d0);
+                load_tile<BLOCK_N, D_TILE, PAD>(v_s, v + d0 * p.v_s.col, p.v_s.row, p.v_s.col,
+                                                rows_k, p.head_dim_v - d0);
+            }
+            load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + m0 * p.q_s.row + d0 * p.q_s.col, p.q_s.row,
+                                            p.q_s.col, rows_q, p.head_dim - d0);
+            load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + m0 * bp.dout_s.row + d0 * bp.dout_s.col,
+                                            bp.dout_s.row, bp.dout_s.col, rows_q, p.head_dim_v - d0);
+            __syncthreads();  // the chunks are in shared memory
+            scores<TN, TQ, D_TILE, PAD>(s, k_s, q_s, tx, ty);
+            scores<TN, TQ, D_TILE, PAD>(dp, v_s, do_s, tx, ty);
+            if constexpr (!RESIDENT) __syncthreads();  // before the next chunk overwrites them
+        }
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+        for (int j = 0; j < TQ; ++j) {
+            const long long r = m0 + tx + 16 * j;
+            const A lse_log2 = r < p.seqlen_q ? lse[r * p.lse_s.row] * A(LOG2E) : neg_inf<A>();
+            const A dl = r < p.seqlen_q ? delta[r * bp.delta_s.row] : A(0);
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+                p_and_ds<HAS_MASK>(s[i][j], dp[i][j], p, consts, r, n0 + ty * TN + i, lse_log2,
+                                   dl, interior, mask, bias);
+                p_s[(ty * TN + i) * (BLOCK_M + PAD) + tx + 16 * j] = s[i][j];
+                ds_s[(ty * TN + i) * (BLOCK_M + PAD) + tx + 16 * j] = dp[i][j];
+            }
+        }
+        if constexpr (!RESIDENT) {  // this block's output columns of Q and dO
+            load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + m0 * p.q_s.row + c0 * p.q_s.col, p.q_s.row,
+                                            p.q_s.col, rows_q, p.head_dim - c0);
+            load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + m0 * bp.dout_s.row + c0 * bp.dout_s.col,
+                                            bp.dout_s.row, bp.dout_s.col, rows_q, p.head_dim_v - c0);
+        }
+        __syncthreads();  // P^T, dS^T, Q and dO are in shared memory
+        accumulate<TN, TC, BLOCK_M, D_TILE, PAD>(dv, p_s, do_s, tx, ty);
+        accumulate<TN, TC, BLOCK_M, D_TILE, PAD>(dk, ds_s, q_s, tx, ty);
+        __syncthreads();  // consumed before the next query tile overwrites them
+    }
+
+    // Every element of the block's tile is written, zero where no query reached the key.
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    const A scale = A(p.scale);
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+        const long long n = n0 + ty * TN + i;
+        if (n >= p.seqlen_k) continue;
+#pragma unroll
+        for (int u = 0; u < TC / VEC; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long c = c0 + (tx + 16 * u) * VEC + e;
+                if (c < p.head_dim)
+                    dk_out[n * bp.dk_s.row + c * bp.dk_s.col] = from_acc<G>(dk[i][u * VEC + e] * scale);
+                if (c < p.head_dim_v)
+                    dv_out[n * bp.dv_s.row + c * bp.dv_s.col] = from_acc<G>(dv[i][u * VEC + e]);
+            }
+    }
+}
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N,
+          int D_TILE, bool RESIDENT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const AttnBwdParams bp) {
+    using A = Acc<T>;
+    constexpr int VEC = 16 / sizeof(A), PAD = VEC;
+    constexpr int TM = BLOCK_M / 16, TN = BLOCK_N / 16, TC = D_TILE / 16;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % (16 * VEC) == 0,
+                  "BLOCK_M, BLOCK_N must be multiples of 16, D_TILE of 16*VEC");
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_s = reinterpret_cast<A*>(smem_raw);     // [BLOCK_M][D_TILE + PAD]
+    A* do_s = q_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_M][D_TILE + PAD]
+    A* k_s = do_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_N][D_TILE + PAD]
+    A* v_s = k_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_N][D_TILE + PAD]
+    A* ds_s = v_s + BLOCK_N * (D_TILE + PAD);    // [BLOCK_M][BLOCK_N + PAD]
+
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const long long m_block = bp.num_row_blocks - 1 - blockIdx.x % bp.num_row_blocks;
+    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
+    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    const long long m0 = m_block * BLOCK_M, c0 = col_tile * D_TILE;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const T* dout = reinterpret_cast<const T*>(bp.dout) +
+                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
+    const A* lse = reinterpret_cast<const A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const A* delta = reinterpret_cast<const A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // the key tiles that the causal/window band reaches from rows m0 .. m_last
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    long long n_lo = 0, n_hi = p.seqlen_k;
+    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
+    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    n_lo = n_lo / BLOCK_N * BLOCK_N;
+
+    const long long rows_q = p.seqlen_q - m0;
+    const long long head = max(p.head_dim, p.head_dim_v);
+    const int num_chunks = RESIDENT ? 1 : (int)((head + D_TILE - 1) / D_TILE);
+    if constexpr (RESIDENT) {  // this block's Q and dO, whole; visible after the first barrier
+        load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+        load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout, bp.dout_s.row, bp.dout_s.col, rows_q,
+                                        p.head_dim_v);
+    }
+    const ScoreConsts<A> consts(p);
+    A lse_log2[TM], dl[TM];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const long long r = m0 + ty * TM + i;
+        lse_log2[i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * A(LOG2E) : neg_inf<A>();
+        dl[i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : A(0);
+    }
+
+    A dq[TM][TC];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int c = 0; c < TC; ++c) dq[i][c] = A(0);
+
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N) {
+        const long long rows_k = p.seqlen_k - n0;
+        A s[TM][TN], dp[TM][TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) s[i][j] = dp[i][j] = A(0);
+        for (int dc = 0; dc < num_chunks; ++dc) {
+            const long long d0 = (long long)dc * D_TILE;
+            if constexpr (!RESIDENT) {
+                load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + d0 * p.q_s.col, p.q_s.row, p.q_s.col,
+                                                rows_q, p.head_dim - d0);
+                load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + d0 * bp.dout_s.col, bp.dout_s.row,
+                                                bp.dout_s.col, rows_q, p.head_dim_v - d0);
+            }
+            load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
+                                            p.k_s.col, rows_k, p.head_dim - d0);
+            load_tile<BLOCK_N, D_TILE, PAD>(v_s, v + n0 * p.v_s.row + d0 * p.v_s.col, p.v_s.row,
+                                            p.v_s.col, rows_k, p.head_dim_v - d0);
+            __syncthreads();  // the chunks are in shared memory
+            scores<TM, TN, D_TILE, PAD>(s, q_s, k_s, tx, ty);
+            scores<TM, TN, D_TILE, PAD>(dp, do_s, v_s, tx, ty);
+            if constexpr (!RESIDENT) __syncthreads();  // before the next chunk overwrites them
+        }
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                p_and_ds<HAS_MASK>(s[i][j], dp[i][j], p, consts, m0 + ty * TM + i,
+                                   n0 + tx + 16 * j, lse_log2[i], dl[i], interior, mask, bias);
+                ds_s[(ty * TM + i) * (BLOCK_N + PAD) + tx + 16 * j] = dp[i][j];
+            }
+        if constexpr (!RESIDENT)  // this block's output columns of K
+            load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + n0 * p.k_s.row + c0 * p.k_s.col, p.k_s.row,
+                                            p.k_s.col, rows_k, p.head_dim - c0);
+        __syncthreads();  // dS and K are in shared memory
+        accumulate<TM, TC, BLOCK_N, D_TILE, PAD>(dq, ds_s, k_s, tx, ty);
+        __syncthreads();  // consumed before the next key tile overwrites them
+    }
+
+    G* dq_out = reinterpret_cast<G*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+    const A scale = A(p.scale);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const long long r = m0 + ty * TM + i;
+        if (r >= p.seqlen_q) continue;
+#pragma unroll
+        for (int u = 0; u < TC / VEC; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long c = c0 + (tx + 16 * u) * VEC + e;
+                if (c < p.head_dim)
+                    dq_out[r * bp.dq_s.row + c * bp.dq_s.col] = from_acc<G>(dq[i][u * VEC + e] * scale);
+            }
+    }
+}

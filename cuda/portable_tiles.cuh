@@ -1,0 +1,131 @@
+// portable_tiles.cuh -- the shared-memory tile machinery of the CUDA-core ("portable")
+// attention kernels: the forward (attention_portable.cu) and the backward
+// (attention_backward_portable.cu).
+//
+// Every kernel that includes it runs THREADS = 256 threads as a 16 x 16 grid (ty, tx).
+// Tiles live in shared memory in the accumulator type A (float or double), row-major with a
+// row pitch of (width + PAD) elements, PAD = 16 bytes of A. Products:
+//   scores     s[i][j]   += X[ty*TM + i, :] . Y[tx + 16*j, :]     (both operands row-major)
+//   accumulate acc[i][c] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + e]   (c = u*VEC + e)
+// so a thread owns TM rows, every 16th column of a score tile and 16-byte groups of output
+// columns. The 16 threads of one row group are one half-warp.
+#pragma once
+
+#include "common.cuh"
+
+namespace cuattn {
+namespace portable {
+
+constexpr int THREADS = 256;
+
+// 16 bytes of A: the unit of every shared-memory read in the inner loops. A padded row of
+// (width + VEC) elements is an odd number of 16-byte units, so the eight threads of one
+// LDS.128 phase that read eight different rows hit eight different bank groups.
+template <typename A> struct Vec16;
+template <> struct Vec16<float> { using type = float4; };
+template <> struct Vec16<double> { using type = double2; };
+
+template <typename A, int N>
+__device__ __forceinline__ void lds16(A (&dst)[N], const A* src) {
+    static_assert(N * sizeof(A) == 16, "lds16 moves exactly 16 bytes");
+    *reinterpret_cast<typename Vec16<A>::type*>(dst) =
+        *reinterpret_cast<const typename Vec16<A>::type*>(src);
+}
+
+// Copy a ROWS x COLS tile of a strided global tensor into shared memory (row pitch
+// COLS + PAD), converting to the accumulator type. Elements outside [0, nrows) x [0, ncols)
+// become 0 so that partial tiles contribute nothing to the dot products. Each thread keeps
+// one column and walks rows THREADS / COLS apart, so its address advances by one add.
+template <int ROWS, int COLS, int PAD, typename T, typename A>
+__device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_stride,
+                                          long long col_stride, long long nrows,
+                                          long long ncols) {
+    static_assert(THREADS % COLS == 0, "a tile row must divide the block");
+    constexpr int ROW_STEP = THREADS / COLS;
+    const int c = threadIdx.x % COLS;  // consecutive threads: consecutive columns
+    const bool col_ok = c < ncols;
+    const T* ptr = src + (threadIdx.x / COLS) * row_stride + c * col_stride;
+#pragma unroll 4
+    for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride)
+        dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? to_acc(*ptr) : A(0);
+}
+
+// load_tile through cp.async (sm_80+): the copy runs in the background until
+// cp_async_wait; elements outside the tile's valid range are zero-filled (src-size 0).
+// Only for T == A (float32, float64): 16-bit inputs are converted on load instead.
+template <int ROWS, int COLS, int PAD, typename A>
+__device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long row_stride,
+                                                long long col_stride, long long nrows,
+                                                long long ncols) {
+    static_assert(THREADS % COLS == 0, "a tile row must divide the block");
+    constexpr int ROW_STEP = THREADS / COLS;
+    const int c = threadIdx.x % COLS;
+    const bool col_ok = c < ncols;
+    const A* ptr = src + (threadIdx.x / COLS) * row_stride + c * col_stride;
+#pragma unroll 4
+    for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride) {
+        const unsigned dst_addr =
+            static_cast<unsigned>(__cvta_generic_to_shared(dst + r * (COLS + PAD) + c));
+        const bool ok = col_ok && r < nrows;
+        // an invalid element reads 0 bytes; the address must still be a global one
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr),
+                     "l"(ok ? ptr : src), "n"(sizeof(A)), "r"(ok ? (int)sizeof(A) : 0));
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
+template <int TM, int TN, int D_TILE, int PAD, typename A>
+__device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_s, int tx,
+                                       int ty) {
+    constexpr int VEC = 16 / sizeof(A);
+#pragma unroll 2
+    for (int d = 0; d < D_TILE; d += VEC) {
+        A qf[TM][VEC], kf[TN][VEC];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) lds16(qf[i], q_s + (ty * TM + i) * (D_TILE + PAD) + d);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) lds16(kf[j], k_s + (tx + 16 * j) * (D_TILE + PAD) + d);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) s[i][j] = fma(qf[i][e], kf[j][e], s[i][j]);
+    }
+}
+
+// acc[i][u*VEC + f] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + f]: the P.V product of
+// the forward and the P^T.dO and dS^T.Q products of the backward.
+template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, typename A>
+__device__ __forceinline__ void accumulate(A (&acc)[TM][TV], const A* p_s, const A* v_s,
+                                           int tx, int ty) {
+    constexpr int VEC = 16 / sizeof(A);
+#pragma unroll 2
+    for (int n = 0; n < BLOCK_N; n += VEC) {
+        A pf[TM][VEC];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) lds16(pf[i], p_s + (ty * TM + i) * (BLOCK_N + PAD) + n);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+#pragma unroll
+            for (int u = 0; u < TV / VEC; ++u) {
+                A vf[VEC];
+                lds16(vf, v_s + (n + e) * (DV_TILE + PAD) + (tx + 16 * u) * VEC);
+#pragma unroll
+                for (int i = 0; i < TM; ++i)
+#pragma unroll
+                    for (int f = 0; f < VEC; ++f)
+                        acc[i][u * VEC + f] = fma(pf[i][e], vf[f], acc[i][u * VEC + f]);
+            }
+        }
+    }
+}
+
+}  // namespace portable
+}  // namespace cuattn

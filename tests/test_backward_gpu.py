@@ -1,0 +1,240 @@
+"""GPU backward families against the float64 reference gradients (accuracy rule at 3×),
+float64 finite differences, determinism, broadcasting reductions and every mask kind.
+
+Outputs are poisoned: before each backward the memory pool is handed NaN-filled blocks of
+the gradients' sizes, so an element that a kernel fails to write shows up as NaN.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+from _accuracy import assert_accurate, to_host
+
+import cuattn
+from cuattn._dispatch import BACKWARD_FAMILIES
+from cuattn.attention import _attention_backward
+from cuattn.reference import attention_backward_reference, naive_attention_backward
+
+pytestmark = pytest.mark.gpu
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+COMBOS = [pytest.param(f.name, d, id=f"{f.name}-{np.dtype(d).name}")
+          for f in BACKWARD_FAMILIES for d in DTYPES if np.dtype(d).name in f.dtypes]
+SHAPES = [  # (Sq, Sk, D, Dv)
+    (1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
+    (1023, 1025, 128, 128), (1025, 1023, 64, 64), (130, 70, 256, 256), (33, 65, 512, 512),
+    (40, 50, 64, 24),
+]
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def _poison_pool(*shapes_and_dtypes):
+    """Leave NaN-filled blocks of these sizes in CuPy's memory pool for the next allocations."""
+    cp = _cp()
+    blocks = [cp.full(shape, np.nan, dtype) for shape, dtype in shapes_and_dtypes]
+    cp.cuda.get_current_stream().synchronize()
+    del blocks
+
+
+def _backward(family, dout, q, k, v, **kw):
+    """Forward on the GPU (default dispatch), then the backward of ``family``; host arrays."""
+    cp = _cp()
+    dev = {n: cp.asarray(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    extra = {n: cp.asarray(kw[n]) for n in ("mask", "bias") if n in kw}
+    plain = {n: x for n, x in kw.items() if n not in extra}
+    out, lse = cuattn.attention(dev["q"], dev["k"], dev["v"], return_lse=True, **plain, **extra)
+    _poison_pool(*((x.shape, x.dtype) for x in (q, k, v)),
+                 *((np.broadcast_shapes(out.shape[:-2], x.shape[:-2]) + x.shape[-2:],
+                    np.float64 if q.dtype == np.float64 else np.float32) for x in (q, k, v)))
+    grads = _attention_backward(cp.asarray(dout), dev["q"], dev["k"], dev["v"], out, lse,
+                                kernel=family, **plain, **extra)
+    return [to_host(g) for g in grads]
+
+
+def _check(family, q, k, v, rng, **kw):
+    shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]) + \
+        (q.shape[-2], v.shape[-1])
+    dout = rng.standard_normal(shape).astype(q.dtype)
+    got = _backward(family, dout, q, k, v, **kw)
+    want = attention_backward_reference(dout, q, k, v, **kw)
+    naive = naive_attention_backward(dout, q, k, v, **kw)
+    for name, x, g, w, n in zip("qkv", (q, k, v), got, want, naive):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        assert_accurate(g, w, n, factor=3.0, what=f"d{name}")
+    return got
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("family,dtype,shape", [
+    pytest.param(*c.values, s, id=f"{c.id}-{'x'.join(map(str, s))}")
+    for c in COMBOS for s in SHAPES])
+def test_shapes(family, dtype, shape):
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq * 7 + sk)
+    b = (1, 2) if sq * sk > 500_000 else (2, 3)
+    _check(family, _rand(rng, b + (sq, d), dtype), _rand(rng, b + (sk, d), dtype),
+           _rand(rng, b + (sk, dv), dtype), rng)
+
+
+FEATURES = {
+    "causal": lambda rng, sq, sk: {"causal": True},
+    "window": lambda rng, sq, sk: {"window": (37, 5)},
+    "causal_window": lambda rng, sq, sk: {"causal": True, "window": (64, None)},
+    "softcap": lambda rng, sq, sk: {"softcap": 2.5, "scale": 0.3},
+    "mask_full": lambda rng, sq, sk: {"mask": rng.random((2, 3, sq, sk)) > 0.4},
+    "mask_keypad": lambda rng, sq, sk: {"mask": rng.random((2, 1, 1, sk)) > 0.2},
+    "mask_rows_empty": lambda rng, sq, sk: {  # every fifth row sees no key
+        "mask": np.broadcast_to((np.arange(sq) % 5 != 0)[:, None], (sq, sk)).copy()},
+    "bias_f32": lambda rng, sq, sk: {"bias": rng.standard_normal((3, sq, sk)).astype(np.float32)},
+    "bias_bcast_rows": lambda rng, sq, sk: {
+        "bias": rng.standard_normal((2, 1, 1, sk)).astype(np.float32)},
+    "everything": lambda rng, sq, sk: {
+        "causal": True, "window": (90, None), "softcap": 3.0,
+        "mask": rng.random((1, 3, sq, sk)) > 0.3,
+        "bias": rng.standard_normal((sq, sk)).astype(np.float32)},
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("family,dtype", COMBOS)
+@pytest.mark.parametrize("sq,sk", [(150, 150), (97, 230), (230, 97)])
+def test_features(family, dtype, feature, sq, sk):
+    rng = np.random.default_rng(sq + 3 * sk + list(FEATURES).index(feature))
+    kw = FEATURES[feature](rng, sq, sk)
+    if "bias" in kw and dtype != np.float32:
+        kw["bias"] = kw["bias"].astype(dtype)
+    _check(family, _rand(rng, (2, 3, sq, 64), dtype), _rand(rng, (2, 3, sk, 64), dtype),
+           _rand(rng, (2, 3, sk, 64), dtype), rng, **kw)
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+def test_gqa_and_broadcast_gradients_are_summed(family, dtype):
+    rng = np.random.default_rng(11)
+    q = _rand(rng, (2, 2, 3, 70, 64), dtype)   # (B, Hkv, G, S, D)
+    k = _rand(rng, (2, 2, 1, 90, 64), dtype)
+    v = _rand(rng, (1, 2, 1, 90, 32), dtype)   # also broadcast over B
+    _check(family, q, k, v, rng, causal=True)
+    # q broadcast over the batch (one query set against many key sets)
+    q = _rand(rng, (1, 40, 64), dtype)
+    k, v = _rand(rng, (3, 50, 64), dtype), _rand(rng, (3, 50, 64), dtype)
+    _check(family, q, k, v, rng)
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+def test_strided_views(family, dtype):
+    cp = _cp()
+    rng = np.random.default_rng(12)
+    # (B, S, H, D) arrays passed as (B, H, S, D) views; dout a transposed view too
+    qh, kh, vh = (_rand(rng, (2, 77, 3, 64), dtype) for _ in range(3))
+    q, k, v = (x.swapaxes(-2, -3) for x in (qh, kh, vh))
+    dout_h = _rand(rng, (2, 77, 3, 64), dtype)
+    qd, kd, vd = (cp.asarray(x).swapaxes(-2, -3) for x in (qh, kh, vh))
+    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, causal=True)
+    got = cuattn.attention_backward(cp.asarray(dout_h).swapaxes(-2, -3), qd, kd, vd, out, lse,
+                                    causal=True)
+    dout = dout_h.swapaxes(-2, -3)
+    want = attention_backward_reference(dout, q, k, v, causal=True)
+    naive = naive_attention_backward(dout, q, k, v, causal=True)
+    for g, w, n in zip(got, want, naive):
+        assert_accurate(g, w, n, factor=3.0)
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+def test_repeated_calls_are_bit_identical(family, dtype):
+    cp = _cp()
+    rng = np.random.default_rng(13)
+    q, k, v = (cp.asarray(_rand(rng, (2, 2, 300, 64), dtype)) for _ in range(3))
+    kv = (k[:, :1], v[:, :1])  # broadcast: the reduction path too
+    for kk, vv in ((k, v), kv):
+        out, lse = cuattn.attention(q, kk, vv, return_lse=True, causal=True)
+        dout = cp.asarray(_rand(rng, out.shape, dtype))
+        first = [to_host(g) for g in cuattn.attention_backward(dout, q, kk, vv, out, lse,
+                                                               causal=True)]
+        for _ in range(20):
+            again = cuattn.attention_backward(dout, q, kk, vv, out, lse, causal=True)
+            for a, b in zip(first, again):
+                assert a.tobytes() == to_host(b).tobytes()
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+def test_fully_masked_rows_and_empty_inputs(family, dtype):
+    cp = _cp()
+    rng = np.random.default_rng(14)
+    q, k, v = (_rand(rng, (2, 40, 32), dtype) for _ in range(3))
+    mask = np.ones((40, 40), bool)
+    mask[[3, 17, 39]] = False
+    got = _check(family, q, k, v, rng, mask=mask)
+    for g in got:
+        assert np.isfinite(g.astype(np.float64)).all()
+    assert np.all(got[0][:, [3, 17, 39]] == 0)
+    # Sk == 0, Sq == 0 and an empty batch: zero gradients of the inputs' shapes
+    for qs, ks in (((2, 5, 32), (2, 0, 32)), ((2, 0, 32), (2, 5, 32)), ((0, 5, 32), (1, 5, 32))):
+        qd, kd = cp.asarray(_rand(rng, qs, dtype)), cp.asarray(_rand(rng, ks, dtype))
+        out, vjp = cuattn.attention_vjp(qd, kd, kd)
+        grads = vjp(cp.ones_like(out))
+        for g, x in zip(grads, (qd, kd, kd)):
+            assert g.shape == x.shape and g.dtype == x.dtype and not cp.any(g)
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+def test_vjp_matches_backward_on_a_stream(family, dtype):
+    cp = _cp()
+    rng = np.random.default_rng(15)
+    q, k, v = (cp.asarray(_rand(rng, (3, 90, 64), dtype)) for _ in range(3))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out, vjp = cuattn.attention_vjp(q, k, v, window=(20, 20))
+        dout = cp.ones_like(out)
+        a = vjp(dout)
+        out2, lse = cuattn.attention(q, k, v, window=(20, 20), return_lse=True)
+        b = cuattn.attention_backward(dout, q, k, v, out2, lse, window=(20, 20))
+    stream.synchronize()
+    for x, y in zip(a, b):
+        assert to_host(x).tobytes() == to_host(y).tobytes()
+
+
+def test_float64_gradients_match_finite_differences():
+    """d/dx of L = sum(dout * attention(...)) by central differences in float64."""
+    cp = _cp()
+    rng = np.random.default_rng(16)
+    q, k, v = (rng.standard_normal((2, 6, 5)) for _ in range(3))
+    mask = rng.random((6, 6)) > 0.3
+    mask[:, 0] = True
+    kw = dict(softcap=2.0, scale=0.7, causal=True, window=(3, None))
+    dout = rng.standard_normal((2, 6, 5))
+
+    def loss(q_, k_, v_):
+        o = cuattn.attention(cp.asarray(q_), cp.asarray(k_), cp.asarray(v_),
+                             mask=cp.asarray(mask), **kw)
+        return float((to_host(o) * dout).sum())
+
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuattn.attention(qd, kd, vd, mask=cp.asarray(mask), return_lse=True, **kw)
+    grads = cuattn.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse,
+                                      mask=cp.asarray(mask), **kw)
+    eps = 1e-6
+    for which, g in enumerate(grads):
+        args = [q, k, v]
+        numeric = np.zeros_like(args[which])
+        for idx in np.ndindex(*args[which].shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            numeric[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(to_host(g), numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_lse_of_the_wrong_call_is_refused_before_launch():
+    cp = _cp()
+    q = cp.ones((2, 8, 4), cp.float32)
+    out, lse = cuattn.attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        cuattn.attention_backward(out, q, q, q, out, lse[:, :3])
+    with pytest.raises(TypeError, match="host and device arrays cannot be mixed"):
+        cuattn.attention_backward(to_host(out), q, q, q, out, lse)
