@@ -120,7 +120,8 @@ def cmd_bench(args) -> int:
         print("bench needs a GPU", file=sys.stderr)
         return 2
     results = bench.run(suites, json_path=args.json, plot_path=args.plot,
-                        direction=args.direction, max_seqlen=args.max_seqlen)
+                        direction=args.direction, max_seqlen=args.max_seqlen,
+                        match=args.match or ())
     print(bench._format(results))
     return 0
 
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     b.add_argument("--suite", action="append", help="vector_add, vit, fp32, fp64, long, train")
     b.add_argument("--direction", choices=("fwd", "bwd"), help="only forward or backward rows")
     b.add_argument("--max-seqlen", type=int, help="skip attention cases with longer sequences")
+    b.add_argument("--match", action="append",
+                   help="keep cases whose label has this word (e.g. bfloat16, D128, causal)")
     b.add_argument("--json", default="cuattn-bench.json", help="write results here")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)

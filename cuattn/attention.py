@@ -328,14 +328,15 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
             return tuple(cupy.zeros(x.shape, call.dtype) for x in inputs)
         # a gradient the kernels can write in place has no broadcast batch axis
         direct = [math.prod(x.shape[:-2]) == nbatch for x in inputs]
-        kv_dtype = call.dtype if direct[1] and direct[2] else acc
+        direct[1] = direct[2] = direct[1] and direct[2]  # dK and dV share one kernel
+        kv_dtype = call.dtype if direct[1] else acc
         q_dtype = call.dtype if direct[0] else acc
-        targets = [cupy.empty(x.shape if g == call.dtype else batch + x.shape[-2:], g)
-                   for x, g in zip(inputs, (q_dtype, kv_dtype, kv_dtype))]
+        targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
+                   for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
         delta = cupy.empty(call.lse_shape, acc)
         cc, smem_limit = _device_limits(call.q.device.id)
-        choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), kernel,
-                                            tiles)
+        choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
+                                            kernel, tiles)
         tensors = _forward_tensors(call, out, lse) + [
             (dout, _broadcast_strides(dout, dout.shape)),
             (delta, _broadcast_strides(delta, delta.shape) + [0]),
@@ -343,26 +344,32 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
         extents, strides, pointer_sets = _layout(batch, tensors)
         sizes = _sizes(call, extents, 0, 0)
         inner = math.prod(extents)
+        # (kernel, shared memory, threads, grid rows, grid column tiles, blocks)
+        rows_q = inner * call.seqlen_q
+        dkdv_rows = -(-call.seqlen_k // choice.dkdv_rows)
+        dkdv_cols = -(-max(call.head_dim, call.head_dim_v) // choice.col_tile)
+        dq_rows = -(-call.seqlen_q // choice.dq_rows)
+        dq_cols = -(-call.head_dim // choice.col_tile)
         launches = [
-            (choice.delta, 0, inner * call.seqlen_q, 1, -(-inner * call.seqlen_q // 8)),
-            (choice.dkdv, choice.smem_dkdv, -(-call.seqlen_k // choice.tiles.block_n),
-             -(-max(call.head_dim, call.head_dim_v) // choice.d_tile), None),
-            (choice.dq, choice.smem_dq, -(-call.seqlen_q // choice.tiles.block_m),
-             -(-call.head_dim // choice.d_tile), None),
+            (choice.delta, 0, choice.threads_delta, rows_q, 1,
+             -(-rows_q // (choice.threads_delta // 32))),
+            (choice.dkdv, choice.smem_dkdv, choice.threads_dkdv, dkdv_rows, dkdv_cols,
+             dkdv_rows * dkdv_cols * inner),
+            (choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
+             dq_rows * dq_cols * inner),
         ]
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
         for pointers in pointer_sets:
-            for fn, (_, smem, rows, cols, grid) in zip(kernels, launches):
+            for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):
                 params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
                                               strides[:35], pointers[7:] + [rows, cols],
                                               strides[35:])
-                fn((grid or rows * cols * inner,), (choice.threads,), (params,),
-                   shared_mem=smem)
+                fn((blocks,), (threads,), (params,), shared_mem=smem)
         grads = []
-        for x, g in zip(inputs, targets):
-            if g.shape != x.shape or g.dtype != call.dtype:
-                g = sum_to_shape(g, x.shape).astype(call.dtype, copy=False)
+        for x, d, g in zip(inputs, direct, targets):
+            if not d:
+                g = sum_to_shape(g, x.shape).reshape(x.shape).astype(call.dtype, copy=False)
             grads.append(g)
     return tuple(grads)
 

@@ -372,9 +372,10 @@ def environment(cupy) -> dict:
 
 
 def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
-        max_seqlen=None) -> list[Result]:
-    """Run the named suites (only the ``direction`` rows, "fwd" or "bwd", and sequences up
-    to ``max_seqlen`` when given); print a progress line per case and return the results."""
+        max_seqlen=None, match=()) -> list[Result]:
+    """Run the named suites (only the ``direction`` rows, "fwd" or "bwd", sequences up to
+    ``max_seqlen``, and labels containing every string of ``match``, when given); print a
+    progress line per case and return the results."""
     from ._kernels import require_cupy
     cupy = require_cupy()
     torch = _try_import("torch")
@@ -385,7 +386,8 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
         for case in SUITES[name]:
             if case.kind == "attention" and (
                     (direction is not None and case.direction != direction)
-                    or (max_seqlen is not None and case.seqlen > max_seqlen)):
+                    or (max_seqlen is not None and case.seqlen > max_seqlen)
+                    or not all(m in case.label.split() for m in match)):
                 continue
             t0 = time.perf_counter()
             rows = (_vector_add_rows if case.kind == "vector_add" else _attention_rows)(

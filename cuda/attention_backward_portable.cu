@@ -9,8 +9,7 @@
 //                 dS = P o (dP - delta)                  (times 1 - tanh^2 under softcap)
 //             is rebuilt on chip, and dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K.
 //             Nothing of size Sq x Sk is written to global memory.
-// Kernels:    attention_bwd_delta   one warp per query row: delta (acc type); its grid
-//                                   covers num_row_blocks = batch x Sq rows.
+// Kernels:    attention_bwd_delta   (backward.cuh) one warp per query row: delta.
 //             attention_bwd_dkdv    one block owns BLOCK_N keys and one D_TILE-column tile
 //                                   of dK and dV; it walks the query tiles that the band
 //                                   reaches and keeps dK, dV in registers.
@@ -35,90 +34,11 @@
 //             elements of Acc<T>, PAD = 16 bytes; cuattn/_dispatch.py computes the same.
 // Reference:  cuattn/reference.py::attention_backward_reference (float64, dense) and
 //             ::attention_backward_blocked (this loop order, in NumPy).
+#include "backward.cuh"
 #include "portable_tiles.cuh"
-
-namespace {
 
 using namespace cuattn;
 using namespace cuattn::portable;
-
-// Constants of the score transform, in log2 units.
-template <typename A> struct ScoreConsts {
-    A scale_log2, softcap, cap_over_scale;
-    __device__ explicit ScoreConsts(const AttnParams& p)
-        : scale_log2(A(p.scale * LOG2E)), softcap(A(p.softcap)),
-          cap_over_scale(p.softcap > 0 ? A(p.scale / p.softcap) : A(0)) {}
-};
-
-// One element: s holds q_r . k_c and becomes P = exp(s - lse_r); dp holds dO_r . v_c and
-// becomes dS = P (dp - delta_r), times 1 - tanh^2 under softcap. A key that is not allowed
-// for row r (outside the sequences, the band or the bool mask), or a row with lse = -inf
-// (nothing allowed), gives P = dS = 0. `interior` (block-uniform): the tile lies inside both
-// sequences and the band and no mask is read, so only the arithmetic remains.
-template <bool HAS_MASK, typename A, typename BiasT>
-__device__ __forceinline__ void p_and_ds(A& s, A& dp, const AttnParams& p, const ScoreConsts<A>& k,
-                                         long long r, long long c, A lse_log2, A delta,
-                                         bool interior, const unsigned char* mask,
-                                         const BiasT* bias) {
-    bool allowed = interior;
-    if (!interior) {
-        allowed = r < p.seqlen_q && c < p.seqlen_k &&
-                  in_window(r, c, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right);
-        if constexpr (HAS_MASK)
-            if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
-    }
-    allowed = allowed && lse_log2 != neg_inf<A>();
-    A x, dcap = A(1);
-    if (k.softcap > A(0)) {
-        const A t = tanh_acc(s * k.cap_over_scale);
-        x = k.softcap * A(LOG2E) * t;
-        dcap = A(1) - t * t;
-    } else {
-        x = s * k.scale_log2;
-    }
-    if constexpr (!is_same_v<BiasT, NoBias>)
-        if (allowed) x += to_acc(bias[r * p.bias_s.row + c * p.bias_s.col]) * A(LOG2E);
-    const A prob = allowed ? fast_exp2(x - lse_log2) : A(0);
-    s = prob;
-    dp = allowed ? prob * (dp - delta) * dcap : A(0);
-}
-
-// Does the tile [r0, r0 + rows) x [c0, c0 + cols) lie inside both sequences and inside the
-// causal/window band for every one of its elements?
-__device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long r0, int rows,
-                                                 long long c0, int cols) {
-    const long long off = p.seqlen_k - p.seqlen_q;
-    const long long r1 = r0 + rows - 1, c1 = c0 + cols - 1;
-    return r1 < p.seqlen_q && c1 < p.seqlen_k &&
-           (p.window_left < 0 || c0 >= r1 + off - p.window_left) &&
-           (p.window_right < 0 || c1 <= r0 + off + p.window_right);
-}
-
-}  // namespace
-
-// delta[b, i] = sum_c dout[b, i, c] * out[b, i, c] in the accumulator type; one warp per row.
-template <typename T>
-__global__ void __launch_bounds__(THREADS) attention_bwd_delta(const AttnBwdParams bp) {
-    using A = Acc<T>;
-    const AttnParams& p = bp.f;
-    const long long row = (long long)blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= bp.num_row_blocks) return;  // for this kernel: the number of rows, batch x Sq
-    const long long b = row / p.seqlen_q, i = row % p.seqlen_q;
-    const T* dout = reinterpret_cast<const T*>(bp.dout) +
-                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + i * bp.dout_s.row;
-    const T* out = reinterpret_cast<const T*>(p.out) +
-                   batch_offset(p.out_s, b, p.batch1, p.batch2) + i * p.out_s.row;
-    A sum = A(0);
-    for (long long c = lane; c < p.head_dim_v; c += 32)
-        sum = fma(to_acc(dout[c * bp.dout_s.col]), to_acc(out[c * p.out_s.col]), sum);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) {
-        A* delta = reinterpret_cast<A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-        delta[i * bp.delta_s.row] = sum;
-    }
-}
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N,
           int D_TILE, bool RESIDENT, int MIN_BLOCKS>

@@ -26,150 +26,12 @@
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
 //             cuattn/_dispatch.py::mma_smem_bytes computes the same number.
-#include "common.cuh"
+#include "mma_tiles.cuh"
 
 namespace {
 
 using namespace cuattn;
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// d += a * b on one m16n8k16 tile, float accumulators
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                          unsigned b1);
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const unsigned (&a)[4],
-                                                  unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
-                                                         unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// two floats -> one register of two T, rounded to nearest (the low half is `lo`)
-template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-
-// element offset of (row, col) in a swizzled tile of COLS columns (COLS % 64 == 0)
-template <int COLS>
-__device__ __forceinline__ int swizzle(int row, int col) {
-    return row * COLS + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
-}
-
-// Copy ROWS x COLS elements of a strided tensor into a swizzled shared tile; rows >= nrows
-// and columns >= ncols become 0. ALIGNED: 16-byte cp.async chunks (finish with
-// cp_async_wait); otherwise synchronous element loads.
-template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
-                                          long long col_stride, long long nrows,
-                                          long long ncols) {
-    constexpr int CHUNKS = COLS / 8;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        T* d = dst + swizzle<COLS>(r, c);
-        if constexpr (ALIGNED) {
-            const bool ok = r < nrows && c < ncols;  // ncols % 8 == 0: chunks are all or nothing
-            const T* s = ok ? src + r * row_stride + c : src;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(d)),
-                         "l"(s), "r"(ok ? 16 : 0));
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const bool ok = r < nrows && c + e < ncols;
-                d[e] = ok ? src[r * row_stride + (c + e) * col_stride] : from_acc<T>(0.f);
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
-}
-
-// Byte offsets, within a swizzled tile of COLS columns, of the 16-byte chunk that this lane
-// hands to ldmatrix for row `row` and column chunks 2*ph + half (ph = 0..3). Chunk 2*kk +
-// half lies at offsets[kk % 4] + (kk / 4) * 128: the swizzle only permutes chunks inside
-// each group of eight, so every ldmatrix address is a register plus an immediate.
-template <int COLS>
-struct LaneOffsets {
-    unsigned at[4];
-    __device__ __forceinline__ LaneOffsets(int row, int half) {
-#pragma unroll
-        for (int ph = 0; ph < 4; ++ph)
-            at[ph] = 2u * static_cast<unsigned>(swizzle<COLS>(row, (2 * ph + half) * 8));
-    }
-    __device__ __forceinline__ unsigned operator()(int kk) const {
-        return at[kk % 4] + (kk / 4) * 128;
-    }
-};
-
-// S (16*M_TILES x BLOCK_N per warp) = Q K^T: A fragments of Q and B fragments of K by
-// ldmatrix; each K fragment serves the warp's M_TILES row tiles
-template <int HEAD_DIM, int BLOCK_N, int M_TILES, typename T>
-__device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], unsigned q_base,
-                                       unsigned k_base, const LaneOffsets<HEAD_DIM>& q_off,
-                                       const LaneOffsets<HEAD_DIM>& k_off) {
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-    // groups of four 16-wide steps: unrolled inside a group, rolled across groups, so that
-    // ptxas does not hoist the fragments of the whole head dim into registers
-#pragma unroll 1
-    for (int k4 = 0; k4 < HEAD_DIM / 64; ++k4)
-#pragma unroll
-    for (int ph = 0; ph < 4; ++ph) {
-        unsigned a[M_TILES][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(a[mt], q_base + q_off.at[ph] + k4 * 128 + mt * 16 * HEAD_DIM * 2);
-#pragma unroll
-        for (int jj = 0; jj < BLOCK_N / 16; ++jj) {
-            unsigned b[4];  // two 8-key tiles: (b0, b1) of keys 16jj.., then of 16jj+8..
-            ldmatrix_x4(b, k_base + k_off.at[ph] + k4 * 128 + jj * 16 * HEAD_DIM * 2);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                mma_16816<T>(s[mt][2 * jj], a[mt], b[0], b[1]);
-                mma_16816<T>(s[mt][2 * jj + 1], a[mt], b[2], b[3]);
-            }
-        }
-    }
-}
+using namespace cuattn::mma;
 
 // Scores to log2 units with softcap, bias and masking (see attention_portable.cu). Element
 // (j, e) of the accumulator is row g + 8*(e/2), column 8j + 2t + e%2 of the warp's tile.
@@ -238,36 +100,6 @@ __device__ __forceinline__ void update_row_state(float (&s)[BLOCK_N / 8][4], flo
         for (int d = 0; d < DV_TILES; ++d) {
             o[d][2 * h] *= alpha;
             o[d][2 * h + 1] *= alpha;
-        }
-    }
-}
-
-// O += P V: P from the score registers (accumulator layout == A-operand layout), V by
-// ldmatrix.trans; each V fragment serves the warp's M_TILES row tiles
-template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
-__device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8][4],
-                                              const float (&s)[M_TILES][BLOCK_N / 8][4],
-                                              unsigned v_base,
-                                              const LaneOffsets<HEAD_DIM_V>& v_off) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        unsigned a[M_TILES][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-            a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int dd = 0; dd < HEAD_DIM_V / 16; ++dd) {
-            unsigned b[4];  // (b0, b1) of columns 16dd.., then of 16dd+8..
-            ldmatrix_x4_trans(b, v_base + v_off(dd) + kk * 16 * HEAD_DIM_V * 2);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                mma_16816<T>(o[mt][2 * dd], a[mt], b[0], b[1]);
-                mma_16816<T>(o[mt][2 * dd + 1], a[mt], b[2], b[3]);
-            }
         }
     }
 }

@@ -1,0 +1,286 @@
+// attention_backward_mma.cu -- tensor-core attention backward for float16 / bfloat16
+// (sm_80 and newer).
+//
+// Computes:   the gradients of attention_mma.cu's forward (API.md semantics; reference
+//             cuattn/reference.py::attention_backward_reference) with FlashAttention-2's
+//             recomputation, as attention_backward_portable.cu: delta first
+//             (backward.cuh), then per tile P = exp(s - lse), dP = dO V^T,
+//             dS = P o (dP - delta) (softcap derivative included), dV += P^T dO,
+//             dK += scale dS^T Q, dQ += scale dS K.
+// Kernels:    attention_bwd_dkdv_mma: a block of NUM_WARPS warps owns BLOCK_N = 16*NUM_WARPS
+//             keys and all head-dim columns of dK and dV; warp w owns keys 16w .. 16w+15.
+//             It walks the query tiles (BLOCK_M rows) of the band; S^T = K Q^T and
+//             dP^T = V dO^T land in m16n8 accumulators whose layout is also the A-operand
+//             layout, so P^T and dS^T feed dV += P^T dO and dK += dS^T Q straight from
+//             registers (rounded to T, as FlashAttention does); Q, dO (ldmatrix and
+//             ldmatrix.trans), lse and delta tiles arrive by cp.async one tile ahead.
+//             attention_bwd_dq_mma: a block owns BLOCK_M = 16*NUM_WARPS query rows and all
+//             columns of dQ; it walks the key tiles (BLOCK_N keys, double-buffered):
+//             S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K (K by ldmatrix.trans).
+//             Each gradient element is written once by one thread: no atomics, repeated
+//             calls are bit-identical.
+// Template:   T (__half or __nv_bfloat16); G gradient storage (T, or float for a gradient
+//             that Python sums over broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V
+//             padded to multiples of 64 (zero-filled in shared memory); the tile of the other
+//             sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS; ALIGNED as in
+//             attention_mma.cu (q, k, v and dout all qualify).
+// Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
+//             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
+//             swizzled as in mma_tiles.cuh; cuattn/_dispatch.py computes the same numbers.
+#include "backward.cuh"
+#include "mma_tiles.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+
+namespace {
+
+// Write a warp's 16 x (8*COLS8) float accumulator tile, times `mul`, to rows row0 + g and
+// row0 + g + 8 of a strided gradient; rows >= nrows and columns >= ncols (the pad) are not
+// written.
+template <int COLS8, typename G>
+__device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
+                                           long long row_stride, long long col_stride,
+                                           long long row0, long long nrows, long long ncols,
+                                           int lane, float mul) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = row0 + lane / 4 + 8 * h;
+        if (r >= nrows) continue;
+#pragma unroll
+        for (int d = 0; d < COLS8; ++d) {
+            const int c = 8 * d + 2 * (lane % 4);
+            if (c < ncols) out[r * row_stride + c * col_stride] = from_acc<G>(acc[d][2 * h] * mul);
+            if (c + 1 < ncols)
+                out[r * row_stride + (c + 1) * col_stride] = from_acc<G>(acc[d][2 * h + 1] * mul);
+        }
+    }
+}
+
+}  // namespace
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
+          int BLOCK_M, int NUM_WARPS, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const AttnBwdParams bp) {
+    constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_M % 16 == 0,
+                  "head dims are padded to multiples of 64, query tiles to multiples of 16");
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* k_s = reinterpret_cast<T*>(smem_raw);    // [BLOCK_N][HEAD_DIM]
+    T* v_s = k_s + BLOCK_N * HEAD_DIM;          // [BLOCK_N][HEAD_DIM_V]
+    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [2][BLOCK_M][HEAD_DIM]
+    T* do_s = q_s + 2 * Q_ELEMS;                // [2][BLOCK_M][HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(do_s + 2 * DO_ELEMS);  // [2][BLOCK_M], log2 units
+    float* delta_s = lse_s + 2 * BLOCK_M;                          // [2][BLOCK_M]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long n_block = blockIdx.x % bp.num_row_blocks;
+    const long long b = blockIdx.x / bp.num_row_blocks;
+    const long long n0 = n_block * BLOCK_N;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
+    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
+    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // query rows whose band reaches keys n0 .. n_last
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    long long m_lo = 0, m_hi = p.seqlen_q;
+    if (p.window_right >= 0) m_lo = max(0LL, n0 - off - p.window_right) / BLOCK_M * BLOCK_M;
+    if (p.window_left >= 0) m_hi = min(m_hi, n_last - off + p.window_left + 1);
+
+    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                   p.head_dim);
+    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
+                                                     p.seqlen_k - n0, p.head_dim_v);
+    // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
+    auto request_q = [&](long long m0, int st) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                       p.head_dim);
+        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            p.seqlen_q - m0, p.head_dim_v);
+        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+            const long long r = m0 + i;
+            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
+                                                     : neg_inf<float>();
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+        }
+    };
+    if (m_lo < m_hi) request_q(m_lo, 0);
+    cp_async_commit();
+
+    float dk[1][HEAD_DIM / 8][4], dv[1][HEAD_DIM_V / 8][4];
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[0][d][e] = 0.f;
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM_V / 8; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv[0][d][e] = 0.f;
+
+    // ldmatrix rows of this lane: K, V as A operands (the warp's 16 keys); Q, dO as B
+    // operands of the score products and as transposed B operands of the gradient products
+    const LaneOffsets<HEAD_DIM> k_a(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM_V> v_a(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM> q_b(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LaneOffsets<HEAD_DIM_V> do_b(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LaneOffsets<HEAD_DIM> q_t(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const LaneOffsets<HEAD_DIM_V> do_t(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const ScoreConsts<float> consts(p);
+
+    int stage = 0;
+    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
+        if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the group just issued have landed ...
+        __syncthreads();     // ... for every thread: K, V (first time), this query tile
+        float s[1][BLOCK_M / 8][4], dp[1][BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+        scores<HEAD_DIM, BLOCK_M, 1, T>(s, k_base, q_base + stage * Q_ELEMS * 2, k_a, q_b);
+        scores<HEAD_DIM_V, BLOCK_M, 1, T>(dp, v_base, do_base + stage * DO_ELEMS * 2, v_a, do_b);
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const float* lse_t = lse_s + stage * BLOCK_M;
+        const float* delta_t = delta_s + stage * BLOCK_M;
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
+                p_and_ds<HAS_MASK>(s[0][j][e], dp[0][j][e], p, consts, m0 + col,
+                                   n0 + warp * 16 + lane / 4 + 8 * (e / 2), lse_t[col],
+                                   delta_t[col], interior, mask, bias);
+            }
+        accumulate_pv<BLOCK_M, HEAD_DIM_V, 1, T>(dv, s, do_base + stage * DO_ELEMS * 2, do_t);
+        accumulate_pv<BLOCK_M, HEAD_DIM, 1, T>(dk, dp, q_base + stage * Q_ELEMS * 2, q_t);
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    const long long row0 = n0 + warp * 16;
+    store_tile(dk[0], dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+               float(p.scale));
+    store_tile(dv[0], dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
+}
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
+          int BLOCK_N, int NUM_WARPS, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const AttnBwdParams bp) {
+    constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,
+                  "head dims are padded to multiples of 64, key tiles to multiples of 16");
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][HEAD_DIM]
+    T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [BLOCK_M][HEAD_DIM_V]
+    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [2][BLOCK_N][HEAD_DIM]
+    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N][HEAD_DIM_V]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const long long m_block = bp.num_row_blocks - 1 - blockIdx.x % bp.num_row_blocks;
+    const long long b = blockIdx.x / bp.num_row_blocks;
+    const long long m0 = m_block * BLOCK_M;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const T* dout = reinterpret_cast<const T*>(bp.dout) +
+                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
+    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // key tiles that the band reaches from rows m0 .. m_last
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    long long n_lo = 0, n_hi = p.seqlen_k;
+    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
+    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    n_lo = n_lo / BLOCK_N * BLOCK_N;
+
+    auto request_kv = [&](long long n0, int st) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim);
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
+                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v);
+    };
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                   p.head_dim);
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
+                                                     p.seqlen_q - m0, p.head_dim_v);
+    if (n_lo < n_hi) request_kv(n_lo, 0);
+    cp_async_commit();
+
+    // this lane's two rows (g and g + 8 of the warp's 16)
+    float lse_log2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+    float dq[1][HEAD_DIM / 8][4];
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[0][d][e] = 0.f;
+
+    const LaneOffsets<HEAD_DIM> q_a(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM_V> do_a(warp * 16 + lane % 16, lane / 16);
+    const LaneOffsets<HEAD_DIM> k_b(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LaneOffsets<HEAD_DIM_V> v_b(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LaneOffsets<HEAD_DIM> k_t(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const ScoreConsts<float> consts(p);
+
+    int stage = 0;
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
+        float s[1][BLOCK_N / 8][4], dp[1][BLOCK_N / 8][4];
+        scores<HEAD_DIM, BLOCK_N, 1, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_a, k_b);
+        scores<HEAD_DIM_V, BLOCK_N, 1, T>(dp, do_base, v_base + stage * V_ELEMS * 2, do_a, v_b);
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                p_and_ds<HAS_MASK>(s[0][j][e], dp[0][j][e], p, consts,
+                                   m0 + warp * 16 + lane / 4 + 8 * (e / 2),
+                                   n0 + 8 * j + 2 * (lane % 4) + e % 2, lse_log2[e / 2],
+                                   dl[e / 2], interior, mask, bias);
+        accumulate_pv<BLOCK_N, HEAD_DIM, 1, T>(dq, dp, k_base + stage * K_ELEMS * 2, k_t);
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();
+
+    G* dq_out = reinterpret_cast<G*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+    store_tile(dq[0], dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
+               lane, float(p.scale));
+}
