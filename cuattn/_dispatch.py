@@ -257,9 +257,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
 
 #: Backward families, most preferred first (the same rules as FAMILIES).
 BACKWARD_FAMILIES = (
-    Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 128,
-           "tensor cores through mma.sync m16n8k16, 16-bit inputs; dK and dV of head dims "
-           "above 128 do not fit a thread's registers, so those go to the portable family"),
+    Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
+           "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
+           "dK, dV and dQ into 64- or 128-column tiles (registers)"),
     Family("portable", "attention_backward_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
@@ -309,6 +309,8 @@ MMA_BACKWARD_TILES = (
     (128, (MmaBwdTiles(4, 32, 4, 64),),
      "first version, not swept yet: dK/dV 249, dQ 249 registers, no spills; dK/dV with "
      "64-query tiles spills 40 bytes"),
+    (256, (MmaBwdTiles(4, 32, 4, 32), MmaBwdTiles(2, 16, 2, 16)),
+     "first version, not swept yet: 128-column tiles; the second fits 99 KB parts"),
 )
 
 
@@ -321,7 +323,8 @@ class BackwardChoice:
     dq: str
     dkdv_rows: int    # keys per dK/dV block
     dq_rows: int      # query rows per dQ block
-    col_tile: int     # output columns per block (the grid splits wider head dims)
+    col_tile: int     # output columns per dK/dV block (the grid splits wider head dims)
+    dq_col_tile: int  # output columns per dQ block
     smem_dkdv: int
     smem_dq: int
     threads_dkdv: int = THREADS
@@ -375,7 +378,7 @@ def _portable_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_ma
     return BackwardChoice(
         "portable", "attention_backward_portable.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv<{t}, {g_kv}, {common}>", f"attention_bwd_dq<{t}, {g_q}, {common}>",
-        tiles.block_n, tiles.block_m, d_tile, *smem)
+        tiles.block_n, tiles.block_m, d_tile, d_tile, *smem)
 
 
 def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
@@ -392,15 +395,21 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
     else:
         raise NotImplementedError(f"no mma backward tile configuration fits {smem_limit} bytes "
                                   f"of shared memory for head dims {head_dim}, {head_dim_v}")
+    # output columns per block: all up to 128, else 128- or 64-column tiles that divide
+    # both padded head dims
+    if max(hd, hdv) <= 128:
+        cols = max(hd, hdv)
+    else:
+        cols = 128 if hd % 128 == 0 and hdv % 128 == 0 else 64
     t = c_type_name(dtype)
     g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
-    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
+    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}, {cols}"
     al = str(aligned).lower()
     return BackwardChoice(
         "mma", "attention_backward_mma.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_mma<{t}, {g_kv}, {flags}, {tiles.block_m}, {tiles.dkdv_warps}, {al}>",
         f"attention_bwd_dq_mma<{t}, {g_q}, {flags}, {tiles.block_n}, {tiles.dq_warps}, {al}>",
-        16 * tiles.dkdv_warps, 16 * tiles.dq_warps, max(hd, hdv), *smem,
+        16 * tiles.dkdv_warps, 16 * tiles.dq_warps, cols, min(cols, hd), *smem,
         threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
 
 

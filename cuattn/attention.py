@@ -349,7 +349,7 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
         dkdv_rows = -(-call.seqlen_k // choice.dkdv_rows)
         dkdv_cols = -(-max(call.head_dim, call.head_dim_v) // choice.col_tile)
         dq_rows = -(-call.seqlen_q // choice.dq_rows)
-        dq_cols = -(-call.head_dim // choice.col_tile)
+        dq_cols = -(-call.head_dim // choice.dq_col_tile)
         launches = [
             (choice.delta, 0, choice.threads_delta, rows_q, 1,
              -(-rows_q // (choice.threads_delta // 32))),

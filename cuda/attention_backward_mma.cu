@@ -8,20 +8,23 @@
 //             dS = P o (dP - delta) (softcap derivative included), dV += P^T dO,
 //             dK += scale dS^T Q, dQ += scale dS K.
 // Kernels:    attention_bwd_dkdv_mma: a block of NUM_WARPS warps owns BLOCK_N = 16*NUM_WARPS
-//             keys and all head-dim columns of dK and dV; warp w owns keys 16w .. 16w+15.
+//             keys and one tile of COLS output columns of dK and dV (all of them for head
+//             dims up to 128; wider heads split the grid and recompute S and dP per tile);
+//             warp w owns keys 16w .. 16w+15.
 //             It walks the query tiles (BLOCK_M rows) of the band; S^T = K Q^T and
 //             dP^T = V dO^T land in m16n8 accumulators whose layout is also the A-operand
 //             layout, so P^T and dS^T feed dV += P^T dO and dK += dS^T Q straight from
 //             registers (rounded to T, as FlashAttention does); Q, dO (ldmatrix and
 //             ldmatrix.trans), lse and delta tiles arrive by cp.async one tile ahead.
-//             attention_bwd_dq_mma: a block owns BLOCK_M = 16*NUM_WARPS query rows and all
-//             columns of dQ; it walks the key tiles (BLOCK_N keys, double-buffered):
+//             attention_bwd_dq_mma: a block owns BLOCK_M = 16*NUM_WARPS query rows and one
+//             COLS-column tile of dQ; it walks the key tiles (BLOCK_N keys, double-buffered):
 //             S = Q K^T, dP = dO V^T, dS in registers, dQ += dS K (K by ldmatrix.trans).
 //             Each gradient element is written once by one thread: no atomics, repeated
 //             calls are bit-identical.
 // Template:   T (__half or __nv_bfloat16); G gradient storage (T, or float for a gradient
 //             that Python sums over broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V
-//             padded to multiples of 64 (zero-filled in shared memory); the tile of the other
+//             padded to multiples of 64 (zero-filled in shared memory); COLS output columns
+//             per block (a multiple of 64 dividing the padded head dims); the tile of the other
 //             sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS; ALIGNED as in
 //             attention_mma.cu (q, k, v and dout all qualify).
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
@@ -60,11 +63,16 @@ __device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
 }  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_M, int NUM_WARPS, bool ALIGNED>
+          int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
+    // this block's output columns: [c0, c0 + COLS) of dK and of dV, where they exist
+    constexpr int DK_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;
+    constexpr int DV_COLS = COLS < HEAD_DIM_V ? COLS : HEAD_DIM_V;
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_M % 16 == 0,
                   "head dims are padded to multiples of 64, query tiles to multiples of 16");
+    static_assert(COLS % 64 == 0 && HEAD_DIM % DK_COLS == 0 && HEAD_DIM_V % DV_COLS == 0,
+                  "column tiles are multiples of 64 that divide the padded head dims");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     const AttnParams& p = bp.f;
 
@@ -78,8 +86,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const A
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long n_block = blockIdx.x % bp.num_row_blocks;
-    const long long b = blockIdx.x / bp.num_row_blocks;
+    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
+    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
     const long long n0 = n_block * BLOCK_N;
+    const int c0 = (int)col_tile * COLS;
+    const bool has_dk = c0 < HEAD_DIM, has_dv = c0 < HEAD_DIM_V;  // block-uniform
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
     const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
@@ -121,13 +132,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const A
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
 
-    float dk[1][HEAD_DIM / 8][4], dv[1][HEAD_DIM_V / 8][4];
+    float dk[1][DK_COLS / 8][4], dv[1][DV_COLS / 8][4];
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d)
+    for (int d = 0; d < DK_COLS / 8; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[0][d][e] = 0.f;
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM_V / 8; ++d)
+    for (int d = 0; d < DV_COLS / 8; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv[0][d][e] = 0.f;
 
@@ -164,8 +175,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const A
                                    n0 + warp * 16 + lane / 4 + 8 * (e / 2), lse_t[col],
                                    delta_t[col], interior, mask, bias);
             }
-        accumulate_pv<BLOCK_M, HEAD_DIM_V, 1, T>(dv, s, do_base + stage * DO_ELEMS * 2, do_t);
-        accumulate_pv<BLOCK_M, HEAD_DIM, 1, T>(dk, dp, q_base + stage * Q_ELEMS * 2, q_t);
+        if (has_dv)
+            accumulate_cols<BLOCK_M, HEAD_DIM_V, DV_COLS, 1, T>(
+                dv, s, do_base + (stage * DO_ELEMS + c0) * 2, do_t);
+        if (has_dk)
+            accumulate_cols<BLOCK_M, HEAD_DIM, DK_COLS, 1, T>(
+                dk, dp, q_base + (stage * Q_ELEMS + c0) * 2, q_t);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
@@ -173,15 +188,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const A
     G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
     G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
     const long long row0 = n0 + warp * 16;
-    store_tile(dk[0], dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
-               float(p.scale));
-    store_tile(dv[0], dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
+    if (has_dk)
+        store_tile(dk[0], dk_out + c0 * bp.dk_s.col, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k,
+                   p.head_dim - c0, lane, float(p.scale));
+    if (has_dv)
+        store_tile(dv[0], dv_out + c0 * bp.dv_s.col, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k,
+                   p.head_dim_v - c0, lane, 1.f);
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_N, int NUM_WARPS, bool ALIGNED>
+          int COLS, int BLOCK_N, int NUM_WARPS, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
+    constexpr int DQ_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;  // [c0, c0 + DQ_COLS) of dQ
+    static_assert(COLS % 64 == 0 && HEAD_DIM % DQ_COLS == 0,
+                  "column tiles are multiples of 64 that divide the padded head dim");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,
                   "head dims are padded to multiples of 64, key tiles to multiples of 16");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
@@ -196,8 +217,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const Att
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
     const long long m_block = bp.num_row_blocks - 1 - blockIdx.x % bp.num_row_blocks;
-    const long long b = blockIdx.x / bp.num_row_blocks;
+    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
+    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
     const long long m0 = m_block * BLOCK_M;
+    const int c0 = (int)col_tile * DQ_COLS;
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
     const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
@@ -242,9 +265,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const Att
         lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
         dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
     }
-    float dq[1][HEAD_DIM / 8][4];
+    float dq[1][DQ_COLS / 8][4];
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d)
+    for (int d = 0; d < DQ_COLS / 8; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[0][d][e] = 0.f;
 
@@ -275,12 +298,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const Att
                                    m0 + warp * 16 + lane / 4 + 8 * (e / 2),
                                    n0 + 8 * j + 2 * (lane % 4) + e % 2, lse_log2[e / 2],
                                    dl[e / 2], interior, mask, bias);
-        accumulate_pv<BLOCK_N, HEAD_DIM, 1, T>(dq, dp, k_base + stage * K_ELEMS * 2, k_t);
+        accumulate_cols<BLOCK_N, HEAD_DIM, DQ_COLS, 1, T>(dq, dp, k_base + (stage * K_ELEMS + c0) * 2,
+                                                          k_t);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();
 
     G* dq_out = reinterpret_cast<G*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
-    store_tile(dq[0], dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
-               lane, float(p.scale));
+    store_tile(dq[0], dq_out + c0 * bp.dq_s.col, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16,
+               p.seqlen_q, p.head_dim - c0, lane, float(p.scale));
 }

@@ -8,7 +8,8 @@
 // 2t+1 of each 8-column tile -- which is also the A-operand layout, so a tile of scores
 // computed by one product feeds the next product from registers.
 //   scores     X Y^T  for a warp's 16*M_TILES rows of X against BLOCK_N rows of Y
-//   accumulate_pv   O += P Z  with P from registers and Z by ldmatrix.trans
+//   accumulate_cols O += P Z  with P from registers and Z by ldmatrix.trans (accumulate_pv:
+//                   all of Z's columns)
 #pragma once
 
 #include "common.cuh"
@@ -155,13 +156,15 @@ __device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], unsi
     }
 }
 
-// O += P V: P from the score registers (accumulator layout == A-operand layout), V by
-// ldmatrix.trans; each V fragment serves the warp's M_TILES row tiles
-template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
-__device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8][4],
-                                              const float (&s)[M_TILES][BLOCK_N / 8][4],
-                                              unsigned v_base,
-                                              const LaneOffsets<HEAD_DIM_V>& v_off) {
+// O += P Z for COLS columns of Z: P from the score registers (accumulator layout == A-operand
+// layout), Z (BLOCK_N rows, row pitch PITCH) by ldmatrix.trans from z_base, which may point
+// at a column that is a multiple of 64 (the swizzle keeps 64-column groups in place); each Z
+// fragment serves the warp's M_TILES row tiles
+template <int BLOCK_N, int PITCH, int COLS, int M_TILES, typename T>
+__device__ __forceinline__ void accumulate_cols(float (&o)[M_TILES][COLS / 8][4],
+                                                const float (&s)[M_TILES][BLOCK_N / 8][4],
+                                                unsigned z_base, const LaneOffsets<PITCH>& z_off) {
+    static_assert(COLS <= PITCH && COLS % 16 == 0, "COLS columns of a PITCH-wide tile");
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         unsigned a[M_TILES][4];
@@ -173,9 +176,9 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8
             a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
 #pragma unroll
-        for (int dd = 0; dd < HEAD_DIM_V / 16; ++dd) {
+        for (int dd = 0; dd < COLS / 16; ++dd) {
             unsigned b[4];  // (b0, b1) of columns 16dd.., then of 16dd+8..
-            ldmatrix_x4_trans(b, v_base + v_off(dd) + kk * 16 * HEAD_DIM_V * 2);
+            ldmatrix_x4_trans(b, z_base + z_off(dd) + kk * 16 * PITCH * 2);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816<T>(o[mt][2 * dd], a[mt], b[0], b[1]);
@@ -183,6 +186,15 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8
             }
         }
     }
+}
+
+// O += P V over all HEAD_DIM_V columns of V
+template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
+__device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8][4],
+                                              const float (&s)[M_TILES][BLOCK_N / 8][4],
+                                              unsigned v_base,
+                                              const LaneOffsets<HEAD_DIM_V>& v_off) {
+    accumulate_cols<BLOCK_N, HEAD_DIM_V, HEAD_DIM_V, M_TILES, T>(o, s, v_base, v_off);
 }
 
 }  // namespace mma

@@ -1,0 +1,54 @@
+"""Tile sweep of the tensor-core backward (mma family): one GPU run, every candidate timed.
+
+    PYTHONPATH=. python tools/sweep_backward.py
+
+Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
+for each MmaBwdTiles candidate; the winners go into cuattn/_dispatch.py
+(MMA_BACKWARD_TILES) with the measured reason. FLOPs: 2.5x the forward's.
+"""
+import math
+
+import cupy as cp
+
+from cuattn._dispatch import MmaBwdTiles
+from cuattn.attention import _attention_backward
+from cuattn.bench import _time
+
+T = MmaBwdTiles
+CANDIDATES = {  # head dim -> candidates (dkdv_warps, block_m, dq_warps, block_n)
+    64: [T(4, 64, 4, 64), T(8, 64, 4, 64), T(4, 32, 4, 64), T(4, 128, 4, 64),
+         T(4, 64, 8, 64), T(4, 64, 4, 32), T(4, 64, 4, 128), T(8, 32, 8, 32)],
+    128: [T(4, 32, 4, 64), T(8, 32, 4, 64), T(4, 16, 4, 64), T(4, 64, 4, 64),
+          T(4, 32, 8, 64), T(4, 32, 4, 32), T(4, 32, 4, 128)],
+    256: [T(4, 32, 4, 32), T(8, 32, 4, 32), T(4, 16, 4, 32), T(4, 32, 4, 16),
+          T(2, 32, 2, 32)],
+}
+
+
+def main():
+    import cuattn
+    s = 4096
+    print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for d, cands in CANDIDATES.items():
+        b, h = 16384 // s, 2048 // d
+        q, k, v = (cp.random.standard_normal((b, h, s, d)).astype("bfloat16") for _ in range(3))
+        for causal in (False, True):
+            out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
+            dout = cp.random.standard_normal(out.shape).astype("bfloat16")
+            flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
+            for tiles in cands:
+                label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
+                try:
+                    def call(tiles=tiles, causal=causal, args=(dout, q, k, v, out, lse)):
+                        return _attention_backward(*args, causal=causal, kernel="mma",
+                                                   tiles=tiles)
+                    ms = _time(call, cp, max_reps=10, budget_s=0.5)
+                    rate = f"{flops / ms / 1e9:8.1f}"
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    ms, rate = math.nan, f"{type(exc).__name__}: {str(exc)[:60]}"
+                print(f"{str((b, h, s, d)):22s} {str(causal):6s} {label:44s} {ms:8.3f} {rate}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
