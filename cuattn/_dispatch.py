@@ -299,18 +299,30 @@ class MmaBwdTiles:
     block_m: int     # query tile of the dK/dV kernel
     dq_warps: int    # query rows per dQ block: 16 per warp
     block_n: int     # key tile of the dQ kernel
+    dkdv_min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
+    dq_min_blocks: int = 1
 
 
-#: mma backward: (largest head dim, candidate tiles, reason). Head dims are padded to a
-#: multiple of 64 inside the kernels.
+#: mma backward: (largest head dim, oldest compute capability, candidate tiles, reason). A call
+#: takes the first row whose head dim and capability it meets (ptxas allocates registers
+#: differently for sm_8x: the Hopper rows spill there), then the first candidate that fits.
+#: Head dims are padded to a multiple of 64 inside the kernels.
 MMA_BACKWARD_TILES = (
-    (64, (MmaBwdTiles(4, 64, 4, 64),),
-     "first version, not swept yet: dK/dV 255 registers, dQ 167, no spills (NVRTC, sm_90)"),
-    (128, (MmaBwdTiles(4, 32, 4, 64),),
-     "first version, not swept yet: dK/dV 249, dQ 249 registers, no spills; dK/dV with "
-     "64-query tiles spills 40 bytes"),
-    (256, (MmaBwdTiles(4, 32, 4, 32), MmaBwdTiles(2, 16, 2, 16)),
-     "first version, not swept yet: 128-column tiles; the second fits 99 KB parts"),
+    (64, (9, 0), (MmaBwdTiles(4, 32, 4, 32, 3, 3),),
+     "H200 bf16 B4 H32 S4096 D64, tools/sweep_backward.py: 102.1 / 94.2 TFLOP/s (non-causal "
+     "/ causal) with 3 blocks per SM (168 registers each kernel); uncapped 80.7 / 75.9; "
+     "64-query dK/dV tiles 91.5 / 84.8"),
+    (64, (8, 0), (MmaBwdTiles(4, 32, 4, 32, 2, 3),),
+     "sm_8x: the 3-block dK/dV cap spills 4 bytes there (NVRTC); 2 blocks per SM, not timed"),
+    (128, (9, 0), (MmaBwdTiles(4, 64, 4, 32, 2, 3),),
+     "H200 bf16 B4 H16 S4096 D128: 128.3 / 114.9 (dQ capped at 168 registers, 3 blocks per "
+     "SM); 64-key dQ tiles 121.9 / 112.2; 32-query dK/dV tiles 120.6 / 108.9"),
+    (128, (8, 0), (MmaBwdTiles(4, 32, 4, 32, 2, 3),),
+     "sm_8x: 64-query dK/dV tiles spill 84 bytes there; 32-query tiles (120.6 / 108.9 on H200)"),
+    (256, (8, 0),
+     (MmaBwdTiles(8, 32, 4, 16), MmaBwdTiles(4, 32, 4, 32), MmaBwdTiles(2, 16, 2, 16)),
+     "H200 bf16 B4 H8 S4096 D256, 128-column tiles: 8-warp dK/dV + 16-key dQ 73.8 / 67.8; "
+     "4-warp dK/dV 55.0 / 52.7 (the fallbacks fit A100's 164 KB and the 99 KB parts)"),
 )
 
 
@@ -382,12 +394,12 @@ def _portable_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_ma
 
 
 def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
-                  grad_dtypes, aligned: bool, smem_limit: int,
+                  grad_dtypes, aligned: bool, cc: tuple[int, int], smem_limit: int,
                   tiles: MmaBwdTiles | None = None):
     head = max(head_dim, head_dim_v)
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
-        c for max_d, c, _ in MMA_BACKWARD_TILES if head <= max_d)
+        c for max_d, min_cc, c, _ in MMA_BACKWARD_TILES if head <= max_d and cc >= min_cc)
     for tiles in candidates:
         smem = mma_backward_smem_bytes(tiles, hd, hdv)
         if max(smem) <= smem_limit:
@@ -407,8 +419,10 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
     al = str(aligned).lower()
     return BackwardChoice(
         "mma", "attention_backward_mma.cu", f"attention_bwd_delta<{t}>",
-        f"attention_bwd_dkdv_mma<{t}, {g_kv}, {flags}, {tiles.block_m}, {tiles.dkdv_warps}, {al}>",
-        f"attention_bwd_dq_mma<{t}, {g_q}, {flags}, {tiles.block_n}, {tiles.dq_warps}, {al}>",
+        f"attention_bwd_dkdv_mma<{t}, {g_kv}, {flags}, {tiles.block_m}, {tiles.dkdv_warps}, "
+        f"{al}, {tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_mma<{t}, {g_q}, {flags}, {tiles.block_n}, {tiles.dq_warps}, {al}, "
+        f"{tiles.dq_min_blocks}>",
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, cols, min(cols, hd), *smem,
         threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
 
@@ -447,7 +461,7 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
             continue
         if family.name == "mma":
             return _mma_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
-                                 grad_dtypes, aligned, smem_limit, tiles)
+                                 grad_dtypes, aligned, cc, smem_limit, tiles)
         return _portable_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                   grad_dtypes, smem_limit, tiles)
     return None

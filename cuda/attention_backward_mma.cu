@@ -26,7 +26,8 @@
 //             padded to multiples of 64 (zero-filled in shared memory); COLS output columns
 //             per block (a multiple of 64 dividing the padded head dims); the tile of the other
 //             sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS; ALIGNED as in
-//             attention_mma.cu (q, k, v and dout all qualify).
+//             attention_mma.cu (q, k, v and dout all qualify); MIN_BLOCKS resident blocks per
+//             SM for __launch_bounds__ (a register cap).
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
 //             swizzled as in mma_tiles.cuh; cuattn/_dispatch.py computes the same numbers.
@@ -63,8 +64,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
 }  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED>
-__global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const AttnBwdParams bp) {
+          int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
+    attention_bwd_dkdv_mma(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
     // this block's output columns: [c0, c0 + COLS) of dK and of dV, where they exist
     constexpr int DK_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;
@@ -197,8 +199,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dkdv_mma(const A
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int COLS, int BLOCK_N, int NUM_WARPS, bool ALIGNED>
-__global__ void __launch_bounds__(NUM_WARPS * 32) attention_bwd_dq_mma(const AttnBwdParams bp) {
+          int COLS, int BLOCK_N, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
+    attention_bwd_dq_mma(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
     constexpr int DQ_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;  // [c0, c0 + DQ_COLS) of dQ
     static_assert(COLS % 64 == 0 && HEAD_DIM % DQ_COLS == 0,
