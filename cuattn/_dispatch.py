@@ -82,6 +82,7 @@ class MmaTiles:
     block_m: int   # query rows per block: NUM_WARPS = block_m // (16 * m_tiles)
     block_n: int   # keys per tile
     m_tiles: int = 1  # 16-row tiles per warp: K and V fragments are reused this often
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
 
     @property
     def num_warps(self) -> int:
@@ -189,7 +190,7 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
     bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
     expr = (f"attention_fwd_mma<{c_type_name(call_dtype)}, {bias_t}, {str(has_mask).lower()}, "
             f"{hd}, {hdv}, {tiles.block_n}, {tiles.num_warps}, {tiles.m_tiles}, "
-            f"{str(aligned).lower()}>")
+            f"{str(aligned).lower()}, {tiles.min_blocks}>")
     return KernelChoice("mma", "attention_mma.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32)

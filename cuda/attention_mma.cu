@@ -21,7 +21,8 @@
 // Template:   T (__half or __nv_bfloat16); BiasT (NoBias or a float type); HAS_MASK;
 //             HEAD_DIM, HEAD_DIM_V: q/k and v head dims padded to a multiple of 64 (the pad
 //             is zero-filled in shared memory); BLOCK_N keys per tile; NUM_WARPS; M_TILES
-//             row tiles of 16 per warp; ALIGNED.
+//             row tiles of 16 per warp; ALIGNED; MIN_BLOCKS resident blocks per SM for
+//             __launch_bounds__ (a register cap).
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
@@ -107,8 +108,8 @@ __device__ __forceinline__ void update_row_state(float (&s)[BLOCK_N / 8][4], flo
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, int M_TILES, bool ALIGNED>
-__global__ void __launch_bounds__(NUM_WARPS * 32) attention_fwd_mma(const AttnParams p) {
+          int NUM_WARPS, int M_TILES, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(const AttnParams p) {
     constexpr int THREADS = NUM_WARPS * 32, WARP_M = 16 * M_TILES, BLOCK_M = WARP_M * NUM_WARPS;
     constexpr int DV_TILES = HEAD_DIM_V / 8;
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,

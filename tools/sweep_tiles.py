@@ -25,10 +25,12 @@ CANDIDATES = {
     ("float64", 128): [Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 128, 128, 1),
                        Tiles(64, 64, 128, 128, 1)],
 }
-MMA_CANDIDATES = {
-    ("bfloat16", 64): [MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(128, 128, 2)],
-    ("bfloat16", 128): [MmaTiles(128, 64, 2), MmaTiles(128, 32, 2), MmaTiles(64, 64)],
-    ("bfloat16", 256): [MmaTiles(64, 32), MmaTiles(128, 32)],
+MMA_CANDIDATES = {  # MmaTiles(block_m, block_n, m_tiles, min_blocks per SM)
+    ("bfloat16", 64): [MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(64, 64, 1, 3),
+                       MmaTiles(64, 32, 1, 3)],
+    ("bfloat16", 128): [MmaTiles(128, 32, 2), MmaTiles(64, 16, 1, 3), MmaTiles(64, 32, 1, 3),
+                        MmaTiles(64, 32, 1, 2)],
+    ("bfloat16", 256): [MmaTiles(64, 32)],
 }
 
 
