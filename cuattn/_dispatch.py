@@ -94,10 +94,12 @@ class MmaTiles:
 MMA_TILES = (
     (64, (MmaTiles(128, 64, 2), MmaTiles(64, 64)),
      "H200 bf16 B4 H16 S4096 D64: 128x64 with 2 row tiles per warp 196.8 / 146.6 TFLOP/s "
-     "(non-causal / causal) vs 170.1 / 139.7 for 64x64 with 1; no spills"),
+     "(non-causal / causal) vs 170.1 / 139.7 for 64x64 with 1; no spills; 64x64 capped at "
+     "3 blocks per SM 168.9 / 140.8"),
     (128, (MmaTiles(128, 32, 2), MmaTiles(64, 64)),
      "H200 bf16 D128: 128x32 with 2 row tiles 219.9 / 171.7, spill-free; 128x64 with 2 reaches "
-     "226.1 / 175.6 but spills 172 B; 64x64 with 1: 189.1 / 163.6"),
+     "226.1 / 175.6 but spills 172 B; 64x64 with 1: 189.1 / 163.6; 64x32 with 1 capped at 3 "
+     "blocks per SM 185.6 / 158.8"),
     (256, (MmaTiles(64, 32), MmaTiles(64, 16)),
      "H200 bf16 D256: 64x32 200.2 / 178.6 (248 registers, no spills); 64x64 187.9 / 169.8"),
 )
