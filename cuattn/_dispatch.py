@@ -9,6 +9,7 @@ GPU; a forced family that cannot serve a call raises ``NotImplementedError``.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ import numpy as np
 from ._checks import AttentionCall
 from ._kernels import c_type_name
 
-__all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "Tiles", "MmaTiles", "KernelChoice",
+__all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "Tiles", "MmaTiles",
+           "KernelChoice", "mma_f32_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes",
@@ -34,13 +36,18 @@ class Family:
     dtypes: tuple[str, ...]
     max_head_dim: int
     reason: str
+    precisions: tuple[str, ...] | None = None  # float32 precisions served (None: all)
 
 
 #: Attention families, most preferred first. A call takes the first row whose compute
-#: capability, dtype and head dims it meets.
+#: capability, dtype, precision and head dims it meets.
 FAMILIES = (
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
+    Family("mma_f32", "attention_mma_f32.cu", (8, 0), ("float32",), 256,
+           "float32 on tensor cores through mma.sync m16n8k8 TF32: precision='tf32' rounds "
+           "operands to TF32; 'highest' uses three TF32 products per product (3xTF32)",
+           precisions=("tf32", "highest")),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature, head dims to 1024: the reference kernel"),
@@ -199,21 +206,64 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
 
 
 def mma_aligned(call: AttentionCall) -> bool:
-    """May the mma family copy q, k, v in 16-byte chunks? Unit column strides, every other
-    stride a multiple of 8 elements, 16-byte aligned pointers, head dims multiples of 8."""
-    if call.head_dim % 8 or call.head_dim_v % 8:
+    """May the mma families copy q, k, v in 16-byte chunks? Unit column strides, every other
+    stride a multiple of 16 bytes, 16-byte aligned pointers, head dims multiples of 16 bytes
+    (8 elements of 16 bits, 4 of float32)."""
+    vec = 16 // call.dtype.itemsize
+    if call.head_dim % vec or call.head_dim_v % vec:
         return False
     return all(_aligned(x) for x in (call.q, call.k, call.v))
 
 
 def _aligned(x) -> bool:
     """One array's part of :func:`mma_aligned` (the head dims are the caller's check)."""
+    vec = 16 // x.itemsize
     strides = [st // x.itemsize for st in x.strides]
     if x.shape[-1] > 1 and strides[-1] != 1:
         return False
-    if any(st % 8 for st, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
+    if any(st % vec for st, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
         return False
     return x.data.ptr % 16 == 0
+
+
+#: mma_f32 family: (largest head dim, candidate tiles (m_tiles is 1), reason). Head dims are
+#: padded to multiples of 32. Not swept yet: the candidates follow the shared-memory budget.
+MMA_F32_TILES = (
+    (64, (MmaTiles(64, 64), MmaTiles(64, 32), MmaTiles(32, 16)),
+     "first version, not swept: 64x64 needs 87 KB (two blocks per SM on the H200)"),
+    (128, (MmaTiles(64, 32), MmaTiles(64, 16), MmaTiles(32, 16)),
+     "first version, not swept: 64x32 needs 101 KB"),
+    (256, (MmaTiles(64, 32), MmaTiles(32, 16), MmaTiles(32, 8)),
+     "first version, not swept: 64x32 needs 202 KB; the others fit 164 KB and 99 KB"),
+)
+
+
+def mma_f32_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_mma_f32 (see the .cu header)."""
+    return (tiles.block_m * (head_dim + 8) + 2 * tiles.block_n * (head_dim + 8)
+            + 2 * tiles.block_n * (head_dim_v + 4)) * 4
+
+
+def _mma_f32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
+             split: bool, smem_limit: int, tiles: MmaTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in MMA_F32_TILES if head <= max_d)
+    for tiles in candidates:
+        smem = mma_f32_smem_bytes(tiles, hd, hdv)
+        if smem <= smem_limit:
+            break
+    else:
+        raise NotImplementedError(f"no mma_f32 tile configuration fits {smem_limit} bytes of "
+                                  f"shared memory for head dims {head_dim}, {head_dim_v}")
+    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+    expr = (f"attention_fwd_mma_f32<{bias_t}, {str(has_mask).lower()}, {hd}, {hdv}, "
+            f"{tiles.block_n}, {tiles.block_m // 16}, {str(split).lower()}, "
+            f"{str(aligned).lower()}>")
+    return KernelChoice("mma_f32", "attention_mma_f32.cu", expr,
+                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.block_m // 16 * 32)
 
 
 def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
@@ -229,7 +279,8 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     bias_dtype = None if call.bias is None else call.bias.dtype
     aligned = mma_aligned(call)
     choice = _choose(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                     call.mask is not None, aligned, cc, smem_limit, forced, tiles)
+                     call.mask is not None, aligned, cc, smem_limit, forced, tiles,
+                     call.precision)
     if choice is not None:
         return choice
     raise NotImplementedError(
@@ -240,17 +291,21 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
 
 @functools.lru_cache(maxsize=1024)
 def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-            forced, tiles):
+            forced, tiles, precision=None):
     """The table lookup proper, cached: a call's choice depends on these values only."""
     for family in FAMILIES:
         if forced is not None and family.name != forced:
             continue
         if not (cc >= family.min_cc and dtype.name in family.dtypes
-                and max(head_dim, head_dim_v) <= family.max_head_dim):
+                and max(head_dim, head_dim_v) <= family.max_head_dim
+                and (family.precisions is None or precision in family.precisions)):
             continue
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)
+        if family.name == "mma_f32":
+            return _mma_f32(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                            precision == "highest", smem_limit, tiles)
         return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, cc, smem_limit,
                          tiles)
     return None
@@ -492,13 +547,16 @@ def forward_instances(arch: str):
                 for bias in (None, name, "float32"):
                     bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
-                        for aligned in ((True, False) if family.name == "mma" else (True,)):
+                        for aligned, precision in itertools.product(
+                                (True, False) if family.name.startswith("mma") else (True,),
+                                ("highest", "tf32") if name == "float32" else (None,)):
                             choice = _choose(dtype, head, head, bias_dtype, has_mask, aligned,
-                                             cc, limit, family.name, None)
+                                             cc, limit, family.name, None, precision)
                             if choice is None:
                                 continue
                             fast = bias is None and not has_mask and aligned
-                            seen[(choice.filename, choice.name_expression)] = fast
+                            key = (choice.filename, choice.name_expression)
+                            seen[key] = seen.get(key, False) or fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 

@@ -253,19 +253,33 @@ def attention_backward_blocked(call: AttentionCall, dout, out, lse, *, acc_dtype
     return dq, dk, dv
 
 
+def round_tf32(x):
+    """float32 values rounded to TF32 (10 explicit mantissa bits), to nearest with ties away
+    from zero, as PTX's ``cvt.rna.tf32.f32``; infinities and NaN pass unchanged."""
+    x = np.asarray(x, np.float32)
+    bits = np.ascontiguousarray(x).view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), rounded, x).astype(np.float32)
+
+
 def _naive_setup(q, k, v, mask, bias, kwargs):
     """Validated call, work-precision q/k/v, the rounding function and the rounded P of the
-    naive yardstick: S and P rounded to the input dtype (16-bit inputs work in float32)."""
-    for name in ("return_lse", "precision"):
-        kwargs.pop(name, None)
+    naive yardstick: S and P rounded to the input dtype (16-bit inputs work in float32).
+    With ``precision="tf32"`` the operands of both products (q, k, P, v) are rounded to
+    TF32, as TF32 tensor cores see them."""
+    kwargs.pop("return_lse", None)
     call = check_attention(q, k, v, mask=mask, bias=bias, **kwargs)
+    kwargs.pop("precision", None)
     dtype = call.dtype
     work = np.float64 if dtype == np.float64 else np.float32
+    tf32 = call.precision == "tf32"
 
     def rnd(x):
         return x.astype(dtype).astype(work)
 
     q, k, v = (_host(x).astype(work) for x in (call.q, call.k, call.v))
+    if tf32:
+        q, k, v = round_tf32(q), round_tf32(k), round_tf32(v)
     rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
     s = rnd(_scores(call, q, k, call.bias, rows, cols))
     s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf)
@@ -274,6 +288,8 @@ def _naive_setup(q, k, v, mask, bias, kwargs):
         e = np.exp(s - np.where(np.isneginf(s_max), 0, s_max))
         total = e.sum(axis=-1, keepdims=True)
         p = rnd(np.where(total == 0, 0, e / total))
+    if tf32:
+        p = round_tf32(p)
     return call, (q, k, v), rnd, p
 
 

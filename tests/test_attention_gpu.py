@@ -51,7 +51,8 @@ def _check(family, q, k, v, **kw):
     got, lse = _run(family, q, k, v, **dict(kw))
     ref, ref_lse = attention_reference(q, k, v, **kw)
     assert_accurate(got, ref, naive_attention(q, k, v, **kw))
-    tol = 1e-10 if q.dtype == np.float64 else 2e-3
+    # lse from TF32-rounded q and k carries about 2^-11 of each score's size
+    tol = 1e-10 if q.dtype == np.float64 else 1e-2 if kw.get("precision") == "tf32" else 2e-3
     np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
 
 
@@ -98,6 +99,27 @@ def test_features(family, dtype, feature, sq, sk):
     _check(family, q, k, v, **FEATURES[feature](rng, sq, sk))
 
 
+F32_FAMILIES = [f.name for f in FAMILIES if "float32" in f.dtypes]
+
+
+@pytest.mark.parametrize("family", F32_FAMILIES)
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
+                                     "bias_f32", "all"])
+@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128),
+                                   (130, 70, 256, 256), (40, 50, 64, 24), (17, 1, 59, 59)])
+def test_tf32_precision(family, feature, shape):
+    """precision="tf32" against the naive yardstick whose product operands are rounded to
+    TF32 (reference.naive_attention), on every float32 family."""
+    sq, sk, d, dv = shape
+    if max(d, dv) > MAX_HEAD[family]:
+        pytest.skip(f"head dim beyond the {family} family")
+    rng = np.random.default_rng(sq + sk + d)
+    kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
+    q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
+        _rand(rng, (2, 3, sk, dv), np.float32)
+    _check(family, q, k, v, precision="tf32", **kw)
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fully_masked_rows_give_zero_and_minus_inf(family):
     rng = np.random.default_rng(0)
@@ -127,8 +149,9 @@ def test_strided_views_gqa_and_bshd(family):
     cp = _cp()
     rng = np.random.default_rng(2)
     b, s, hkv, g, d = 2, 150, 2, 4, 64
-    q_bshd = cp.asarray(_rand(rng, (b, s, hkv * g, d), np.float16))
-    kv = cp.asarray(_rand(rng, (b, s, 2, hkv, d), np.float16))  # packed k and v
+    dt = _dtype_for(family)
+    q_bshd = cp.asarray(_rand(rng, (b, s, hkv * g, d), dt))
+    kv = cp.asarray(_rand(rng, (b, s, 2, hkv, d), dt))  # packed k and v
     q = q_bshd.swapaxes(-2, -3).reshape(b, hkv, g, s, d)  # a view? reshape keeps strides
     k = kv[:, :, 0].swapaxes(-2, -3)[:, :, None]  # (b, hkv, 1, s, d), no copy
     v = kv[:, :, 1].swapaxes(-2, -3)[:, :, None]
@@ -190,11 +213,12 @@ def test_dlpack_inputs_from_torch(family):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
-    q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
+    bf16 = "bfloat16" in next(f.dtypes for f in FAMILIES if f.name == family)
+    tdtype, dtype = (torch.bfloat16, ml_dtypes.bfloat16) if bf16 else (torch.float32, np.float32)
+    q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=tdtype) for _ in range(3))
     got = _attention(q, k, v, kernel=family, causal=True)
-    assert got.dtype == ml_dtypes.bfloat16
-    qh, kh, vh = (x.float().cpu().numpy().astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    assert got.dtype == dtype
+    qh, kh, vh = (x.float().cpu().numpy().astype(dtype) for x in (q, k, v))
     ref, _ = attention_reference(qh, kh, vh, causal=True)
     assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
 
