@@ -45,9 +45,9 @@ FAMILIES = (
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
     Family("mma_f32", "attention_mma_f32.cu", (8, 0), ("float32",), 256,
-           "float32 on tensor cores through mma.sync m16n8k8 TF32: precision='tf32' rounds "
-           "operands to TF32; 'highest' uses three TF32 products per product (3xTF32)",
-           precisions=("tf32", "highest")),
+           "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
+           "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.2x",
+           precisions=("tf32",)),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature, head dims to 1024: the reference kernel"),
@@ -245,7 +245,7 @@ def mma_f32_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int) -> int:
 
 
 def _mma_f32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
-             split: bool, smem_limit: int, tiles: MmaTiles | None = None):
+             smem_limit: int, tiles: MmaTiles | None = None):
     head = max(head_dim, head_dim_v)
     hd, hdv = -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
     candidates = (tiles,) if tiles is not None else next(
@@ -259,8 +259,7 @@ def _mma_f32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned
                                   f"shared memory for head dims {head_dim}, {head_dim_v}")
     bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
     expr = (f"attention_fwd_mma_f32<{bias_t}, {str(has_mask).lower()}, {hd}, {hdv}, "
-            f"{tiles.block_n}, {tiles.block_m // 16}, {str(split).lower()}, "
-            f"{str(aligned).lower()}>")
+            f"{tiles.block_n}, {tiles.block_m // 16}, {str(aligned).lower()}>")
     return KernelChoice("mma_f32", "attention_mma_f32.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.block_m // 16 * 32)
@@ -304,8 +303,8 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)
         if family.name == "mma_f32":
-            return _mma_f32(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
-                            precision == "highest", smem_limit, tiles)
+            return _mma_f32(head_dim, head_dim_v, bias_dtype, has_mask, aligned, smem_limit,
+                            tiles)
         return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, cc, smem_limit,
                          tiles)
     return None

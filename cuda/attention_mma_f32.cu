@@ -2,13 +2,14 @@
 // (sm_80 and newer).
 //
 // Computes:   the same function as attention_mma.cu (API.md semantics; reference
-//             cuattn/reference.py::attention_reference) for float32 inputs, with the products
-//             S = Q K^T and O += P V on mma.sync m16n8k8 .tf32 and float32 accumulators.
-//             SPLIT = false (precision="tf32"): each operand rounded to TF32 (10-bit
-//             mantissa) once. SPLIT = true (precision="highest"): each operand x is split
-//             into hi = tf32(x) and lo = tf32(x - hi) and every product is
-//             a_hi b_lo + a_lo b_hi + a_hi b_hi ("3xTF32"), which keeps about 21 mantissa
-//             bits per product, close to float32 arithmetic.
+//             cuattn/reference.py::attention_reference) for float32 inputs with
+//             precision="tf32": the products S = Q K^T and O += P V run on mma.sync m16n8k8
+//             .tf32 with float32 accumulators, each operand (q, k, P, v) rounded to TF32
+//             (10-bit mantissa, cvt.rna) once; the softmax is float32. Its yardstick is
+//             cuattn/reference.py::naive_attention with the same roundings. precision=
+//             "highest" stays on the portable family: a 3xTF32 variant of this kernel
+//             (hi/lo operand splits, three products) ran at 39 TFLOP/s but missed the
+//             accuracy rule by up to 2.2x (docs/kernels.rst).
 // Layout:     as attention_mma.cu: AttnParams with element strides. ALIGNED instances copy
 //             rows in 16-byte cp.async chunks (unit column strides, row strides multiples of
 //             4 elements, 16-byte aligned pointers, head dims multiples of 4).
@@ -23,7 +24,7 @@
 //             S accumulator's columns 2t, 2t+1 of key tile j are the A operand's k = t, t+4,
 //             and V rows 8j + 2t, 8j + 2t + 1 are loaded as B's k = t, t+4. No shuffles.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V: head dims padded to multiples of 32
-//             (zero-filled); BLOCK_N keys per tile; NUM_WARPS; SPLIT; ALIGNED.
+//             (zero-filled); BLOCK_N keys per tile; NUM_WARPS; ALIGNED.
 // Shared mem: (BLOCK_M*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM_V+4)) * 4
 //             bytes: Q, two stages of K and V. Row pitches HEAD_DIM+8 (64-bit loads of 8
 //             rows x 4 lanes hit 32 distinct banks per half-warp) and HEAD_DIM_V+4 (V rows
@@ -42,15 +43,8 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     return r;
 }
 
-// One operand element as the MMA sees it: hi (and lo when SPLIT)
-template <bool SPLIT> struct Tf32 {
-    unsigned hi, lo;
-    __device__ __forceinline__ explicit Tf32(float x) {
-        hi = to_tf32(x);
-        lo = SPLIT ? to_tf32(x - __uint_as_float(hi)) : 0u;
-    }
-};
-
+// d += a b for one m16n8k8 step: A elements (a0, a1, a2, a3) = rows (g, g+8, g, g+8) and
+// k = (t, t, t+4, t+4); B elements (b0, b1) = k (t, t+4); operands already TF32
 __device__ __forceinline__ void mma_1688(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                          unsigned a3, unsigned b0, unsigned b1) {
     asm volatile(
@@ -58,19 +52,6 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], unsigned a0, unsigned a1
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// d += a b for one m16n8k8 step; A elements (a0, a1, a2, a3) = rows (g, g+8, g, g+8) and
-// k = (t, t, t+4, t+4); B elements (b0, b1) = k (t, t+4). SPLIT: three products, small
-// terms first.
-template <bool SPLIT>
-__device__ __forceinline__ void mma_step(float (&d)[4], const Tf32<SPLIT> (&a)[4],
-                                         const Tf32<SPLIT> (&b)[2]) {
-    if constexpr (SPLIT) {
-        mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].lo, b[1].lo);
-        mma_1688(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].hi, b[1].hi);
-    }
-    mma_1688(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi);
 }
 
 // Copy ROWS x COLS floats of a strided tensor into shared memory with row pitch PITCH;
@@ -102,7 +83,7 @@ __device__ __forceinline__ void load_tile_f32(float* dst, const float* src, long
 
 // S (16 x BLOCK_N) = Q K^T for the warp's rows: A from Q rows g, g+8; B from K rows
 // 8j + g; inside each k8 step lane t reads columns k0 + 2t, k0 + 2t + 1 of both.
-template <int HEAD_DIM, int BLOCK_N, bool SPLIT>
+template <int HEAD_DIM, int BLOCK_N>
 __device__ __forceinline__ void scores_f32(float (&s)[BLOCK_N / 8][4], const float* q_w,
                                            const float* k_s, int lane) {
     constexpr int QP = HEAD_DIM + 8;
@@ -115,20 +96,19 @@ __device__ __forceinline__ void scores_f32(float (&s)[BLOCK_N / 8][4], const flo
     for (int k0 = 0; k0 < HEAD_DIM; k0 += 8) {
         const float2 q0 = *reinterpret_cast<const float2*>(q_w + g * QP + k0 + 2 * t);
         const float2 q1 = *reinterpret_cast<const float2*>(q_w + (g + 8) * QP + k0 + 2 * t);
-        const Tf32<SPLIT> a[4] = {Tf32<SPLIT>(q0.x), Tf32<SPLIT>(q1.x), Tf32<SPLIT>(q0.y),
-                                  Tf32<SPLIT>(q1.y)};
+        const unsigned a0 = to_tf32(q0.x), a1 = to_tf32(q1.x), a2 = to_tf32(q0.y),
+                       a3 = to_tf32(q1.y);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) {
             const float2 kv = *reinterpret_cast<const float2*>(k_s + (8 * j + g) * QP + k0 + 2 * t);
-            const Tf32<SPLIT> b[2] = {Tf32<SPLIT>(kv.x), Tf32<SPLIT>(kv.y)};
-            mma_step<SPLIT>(s[j], a, b);
+            mma_1688(s[j], a0, a1, a2, a3, to_tf32(kv.x), to_tf32(kv.y));
         }
     }
 }
 
 // O (16 x HEAD_DIM_V) += P V: P's accumulator columns (2t, 2t+1) of key tile j are A's
 // k = (t, t+4); B takes V rows 8j + 2t, 8j + 2t + 1 at column 8d + g.
-template <int BLOCK_N, int HEAD_DIM_V, bool SPLIT>
+template <int BLOCK_N, int HEAD_DIM_V>
 __device__ __forceinline__ void accumulate_pv_f32(float (&o)[HEAD_DIM_V / 8][4],
                                                   const float (&s)[BLOCK_N / 8][4],
                                                   const float* v_s, int lane) {
@@ -136,13 +116,12 @@ __device__ __forceinline__ void accumulate_pv_f32(float (&o)[HEAD_DIM_V / 8][4],
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j) {
-        const Tf32<SPLIT> a[4] = {Tf32<SPLIT>(s[j][0]), Tf32<SPLIT>(s[j][2]),
-                                  Tf32<SPLIT>(s[j][1]), Tf32<SPLIT>(s[j][3])};
+        const unsigned a0 = to_tf32(s[j][0]), a1 = to_tf32(s[j][2]), a2 = to_tf32(s[j][1]),
+                       a3 = to_tf32(s[j][3]);
         const float* v0 = v_s + (8 * j + 2 * t) * VP + g;
 #pragma unroll
         for (int d = 0; d < HEAD_DIM_V / 8; ++d) {
-            const Tf32<SPLIT> b[2] = {Tf32<SPLIT>(v0[8 * d]), Tf32<SPLIT>(v0[VP + 8 * d])};
-            mma_step<SPLIT>(o[d], a, b);
+            mma_1688(o[d], a0, a1, a2, a3, to_tf32(v0[8 * d]), to_tf32(v0[VP + 8 * d]));
         }
     }
 }
@@ -150,7 +129,7 @@ __device__ __forceinline__ void accumulate_pv_f32(float (&o)[HEAD_DIM_V / 8][4],
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, bool SPLIT, bool ALIGNED>
+          int NUM_WARPS, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_f32(const AttnParams p) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
     constexpr int QP = HEAD_DIM + 8, VP = HEAD_DIM_V + 4, DV_TILES = HEAD_DIM_V / 8;
@@ -211,13 +190,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_f32(const
         cp_async_wait<1>();  // all but the group just issued have landed ...
         __syncthreads();     // ... for every thread: Q (first time), this tile's K and V
         float s[BLOCK_N / 8][4];
-        scores_f32<HEAD_DIM, BLOCK_N, SPLIT>(s, q_w, k_s + stage * K_ELEMS, lane);
+        scores_f32<HEAD_DIM, BLOCK_N>(s, q_w, k_s + stage * K_ELEMS, lane);
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
         mask_scores<BLOCK_N, HAS_MASK>(s, p, m0 + warp * 16, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o);
-        accumulate_pv_f32<BLOCK_N, HEAD_DIM_V, SPLIT>(o, s, v_s + stage * V_ELEMS, lane);
+        accumulate_pv_f32<BLOCK_N, HEAD_DIM_V>(o, s, v_s + stage * V_ELEMS, lane);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block

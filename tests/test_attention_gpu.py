@@ -20,6 +20,12 @@ COMBOS = [pytest.param(f.name, d, id=f"{f.name}-{np.dtype(d).name}")
 MAX_HEAD = {f.name: f.max_head_dim for f in FAMILIES}
 
 
+#: keyword arguments a family needs to serve a call (mma_f32 serves precision="tf32" only);
+#: the same keywords go to the reference and to the naive yardstick
+FAMILY_KW = {f.name: {"precision": f.precisions[0]} for f in FAMILIES
+             if f.precisions and "highest" not in f.precisions}
+
+
 def _dtype_for(family):
     """float32 where the family serves it, else float16: for the feature-agnostic tests."""
     dtypes = next(f.dtypes for f in FAMILIES if f.name == family)
@@ -37,6 +43,7 @@ def _cp():
 
 
 def _run(family, q, k, v, **kw):
+    kw = {**FAMILY_KW.get(family, {}), **kw}
     cp = _cp()
     dev = [cp.asarray(x) for x in (q, k, v)]
     extra = {n: cp.asarray(kw.pop(n)) for n in ("mask", "bias") if n in kw}
@@ -48,6 +55,7 @@ def _run(family, q, k, v, **kw):
 
 
 def _check(family, q, k, v, **kw):
+    kw = {**FAMILY_KW.get(family, {}), **kw}
     got, lse = _run(family, q, k, v, **dict(kw))
     ref, ref_lse = attention_reference(q, k, v, **kw)
     assert_accurate(got, ref, naive_attention(q, k, v, **kw))
@@ -156,10 +164,11 @@ def test_strided_views_gqa_and_bshd(family):
     k = kv[:, :, 0].swapaxes(-2, -3)[:, :, None]  # (b, hkv, 1, s, d), no copy
     v = kv[:, :, 1].swapaxes(-2, -3)[:, :, None]
     assert k.base is not None
-    got = _attention(q, k, v, kernel=family, causal=True)
+    kw = {"causal": True, **FAMILY_KW.get(family, {})}
+    got = _attention(q, k, v, kernel=family, **kw)
     qh, kh, vh = (to_host(x) for x in (q, k, v))
-    ref, _ = attention_reference(qh, kh, vh, causal=True)
-    assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
+    ref, _ = attention_reference(qh, kh, vh, **kw)
+    assert_accurate(got, ref, naive_attention(qh, kh, vh, **kw))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -170,11 +179,12 @@ def test_many_batch_axes_and_empty(family):
     q = _rand(rng, (2, 1, 3, 1, 2, 20, 32), dt)
     k = _rand(rng, (1, 2, 1, 2, 1, 30, 32), dt)
     v = _rand(rng, (2, 2, 3, 2, 2, 60, 32), dt)[..., ::2, :]  # strided rows
-    got = _attention(*(cp.asarray(x) for x in (q, k, v)), kernel=family)
-    ref, _ = attention_reference(q, k, v)
-    assert_accurate(got, ref, naive_attention(q, k, v))
+    kw = FAMILY_KW.get(family, {})
+    got = _attention(*(cp.asarray(x) for x in (q, k, v)), kernel=family, **kw)
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert_accurate(got, ref, naive_attention(q, k, v, **kw))
     empty = _attention(cp.zeros((0, 4, 8, 32), dt), cp.zeros((0, 4, 9, 32), dt),
-                       cp.zeros((0, 4, 9, 32), dt), kernel=family)
+                       cp.zeros((0, 4, 9, 32), dt), kernel=family, **kw)
     assert empty.shape == (0, 4, 8, 32)
 
 
@@ -187,10 +197,11 @@ def test_unaligned_rows_and_offsets(family):
     q = cp.asarray(big)[:, :, 1:101, 3:67]  # offset rows and columns: unaligned pointers
     k = cp.asarray(big)[:, :, 2:122, 5:69]
     v = cp.asarray(big)[:, :, 10:130, 1:65]
-    got = _attention(q, k, v, kernel=family, causal=True)
+    kw = {"causal": True, **FAMILY_KW.get(family, {})}
+    got = _attention(q, k, v, kernel=family, **kw)
     qh, kh, vh = (to_host(x) for x in (q, k, v))
-    ref, _ = attention_reference(qh, kh, vh, causal=True)
-    assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
+    ref, _ = attention_reference(qh, kh, vh, **kw)
+    assert_accurate(got, ref, naive_attention(qh, kh, vh, **kw))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -199,13 +210,14 @@ def test_runs_on_the_current_stream(family):
     rng = np.random.default_rng(4)
     q, k, v = (_rand(rng, (2, 300, 64), _dtype_for(family)) for _ in range(3))
     stream = cp.cuda.Stream(non_blocking=True)
+    kw = FAMILY_KW.get(family, {})
     with stream:
         dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
-        got = _attention(dq, dk, dv, kernel=family)
+        got = _attention(dq, dk, dv, kernel=family, **kw)
         host = cp.asnumpy(got, stream=stream)
     stream.synchronize()
-    ref, _ = attention_reference(q, k, v)
-    assert_accurate(host, ref, naive_attention(q, k, v))
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert_accurate(host, ref, naive_attention(q, k, v, **kw))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -216,11 +228,12 @@ def test_dlpack_inputs_from_torch(family):
     bf16 = "bfloat16" in next(f.dtypes for f in FAMILIES if f.name == family)
     tdtype, dtype = (torch.bfloat16, ml_dtypes.bfloat16) if bf16 else (torch.float32, np.float32)
     q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=tdtype) for _ in range(3))
-    got = _attention(q, k, v, kernel=family, causal=True)
+    kw = {"causal": True, **FAMILY_KW.get(family, {})}
+    got = _attention(q, k, v, kernel=family, **kw)
     assert got.dtype == dtype
     qh, kh, vh = (x.float().cpu().numpy().astype(dtype) for x in (q, k, v))
-    ref, _ = attention_reference(qh, kh, vh, causal=True)
-    assert_accurate(got, ref, naive_attention(qh, kh, vh, causal=True))
+    ref, _ = attention_reference(qh, kh, vh, **kw)
+    assert_accurate(got, ref, naive_attention(qh, kh, vh, **kw))
 
 
 def test_memory_is_out_and_lse_only():
