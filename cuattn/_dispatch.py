@@ -46,7 +46,7 @@ FAMILIES = (
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
     Family("mma_f32", "attention_mma_f32.cu", (8, 0), ("float32",), 256,
            "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
-           "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.2x",
+           "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.0x",
            precisions=("tf32",)),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,

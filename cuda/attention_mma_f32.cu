@@ -9,7 +9,7 @@
 //             cuattn/reference.py::naive_attention with the same roundings. precision=
 //             "highest" stays on the portable family: a 3xTF32 variant of this kernel
 //             (hi/lo operand splits, three products) ran at 39 TFLOP/s but missed the
-//             accuracy rule by up to 2.2x (docs/kernels.rst).
+//             accuracy rule by up to 2.0x (docs/kernels.rst).
 // Layout:     as attention_mma.cu: AttnParams with element strides. ALIGNED instances copy
 //             rows in 16-byte cp.async chunks (unit column strides, row strides multiples of
 //             4 elements, 16-byte aligned pointers, head dims multiples of 4).
