@@ -1,0 +1,86 @@
+"""The dispatch tables, without a GPU: which family and which instance serve a call."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuattn import _dispatch as d
+
+F16, BF16, F32, F64 = (np.dtype(x) for x in (np.float16, ml_dtypes.bfloat16, np.float32,
+                                             np.float64))
+H200 = ((9, 0), 232448)
+A100 = ((8, 0), 166912)
+SM86 = ((8, 6), 101376)
+
+
+def forward(dtype, head, *, gpu=H200, precision=None, forced=None, bias=None, mask=False):
+    cc, smem = gpu
+    if precision is None and dtype == F32:
+        precision = "highest"
+    return d._choose(dtype, head, head, bias, mask, True, cc, smem, forced, None, precision)
+
+
+def backward(dtype, head, *, gpu=H200, grads=None, forced=None):
+    cc, smem = gpu
+    grads = grads or (dtype, dtype)
+    return d._choose_backward(dtype, head, head, None, False, grads, True, cc, smem, forced,
+                              None)
+
+
+def test_forward_families_by_dtype_precision_and_head_dim():
+    assert forward(F16, 64).family == "mma"
+    assert forward(BF16, 256).family == "mma"
+    assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
+    assert forward(F32, 128).family == "portable"         # "highest" stays exact
+    assert forward(F32, 128, precision="tf32").family == "mma_f32"
+    assert forward(F32, 512, precision="tf32").family == "portable"
+    assert forward(F64, 64).family == "portable"
+    assert forward(F16, 64, gpu=((7, 5), 65536)).family == "portable"  # pre-Ampere
+    # a forced family that does not serve the call gives no choice (NotImplementedError)
+    assert forward(F32, 64, forced="mma_f32") is None     # precision "highest"
+    assert forward(F64, 64, forced="mma") is None
+
+
+def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
+    choice = forward(F32, 40, precision="tf32")
+    assert "attention_fwd_mma_f32<cuattn::NoBias, false, 64, 64," in choice.name_expression
+    for gpu in (H200, A100, SM86):
+        for head in (32, 64, 128, 256):
+            choice = forward(F32, head, gpu=gpu, precision="tf32")
+            assert choice.family == "mma_f32" and choice.shared_mem <= gpu[1]
+
+
+def test_backward_families_and_tiles():
+    choice = backward(BF16, 64)
+    assert choice.family == "mma" and choice.filename == "attention_backward_mma.cu"
+    assert choice.delta == "attention_bwd_delta<__nv_bfloat16>"
+    # the H200 row caps both kernels at 3 blocks per SM; the sm_8x row does not cap dK/dV
+    assert choice.dkdv.endswith(", 32, 4, true, 3>") and choice.dq.endswith(", 32, 4, true, 3>")
+    assert backward(BF16, 64, gpu=A100).dkdv.endswith(", 32, 4, true, 2>")
+    assert backward(F16, 128, gpu=SM86).smem_dkdv <= SM86[1]
+    assert backward(F32, 64).family == "portable"
+    assert backward(F64, 1024).family == "portable"
+    assert backward(F16, 512).family == "portable"
+
+
+@pytest.mark.parametrize("head,cols,tiles", [(64, 64, 1), (128, 128, 1), (192, 64, 3),
+                                             (256, 128, 2)])
+def test_mma_backward_column_tiles_divide_the_padded_head_dim(head, cols, tiles):
+    choice = backward(F16, head)
+    assert choice.col_tile == cols and -(-head // choice.col_tile) == tiles
+    assert f", {cols}, " in choice.dkdv
+
+
+def test_broadcast_gradients_are_written_in_the_accumulator_type():
+    choice = backward(F16, 64, grads=(F32, F16))
+    assert choice.dkdv.startswith("attention_bwd_dkdv_mma<__half, float,")
+    assert choice.dq.startswith("attention_bwd_dq_mma<__half, __half,")
+    choice = backward(F64, 64, grads=(F64, F64))
+    assert choice.dkdv.startswith("attention_bwd_dkdv<double, double,")
+
+
+def test_every_backward_candidate_fits_its_gpu():
+    for gpu in (H200, A100, SM86):
+        for dtype in (F16, BF16, F32, F64):
+            for head in (32, 64, 128, 256, 1024):
+                choice = backward(dtype, head, gpu=gpu)
+                assert max(choice.smem_dkdv, choice.smem_dq) <= gpu[1]
