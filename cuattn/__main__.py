@@ -26,7 +26,7 @@ def cmd_info(args) -> int:
 
     import cuattn
     from cuattn._checks import check_attention
-    from cuattn._dispatch import forward_kernel
+    from cuattn._dispatch import backward_kernels, forward_kernel
     from cuattn._kernels import kernel_dir
     print(f"cuattn {cuattn.__version__}  numpy {np.__version__}  ml_dtypes {ml_dtypes.__version__}"
           f"  python {sys.version.split()[0]}")
@@ -45,12 +45,20 @@ def cmd_info(args) -> int:
           f"{dev.attributes['MultiProcessorCount']} SMs  "
           f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B shared memory per block (opt-in)")
     print(f"kernel cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
+    capability = (int(cc[:-1]), int(cc[-1]))
+    smem = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    print("dispatch (forward, then backward dK/dV) for contiguous (1, D) inputs:")
+    for dtype, precision in (("float16", None), ("bfloat16", None), ("float32", None),
+                             ("float32", "tf32"), ("float64", None)):
         for d in (64, 128):
-            x = np.empty((1, d), ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-            choice = forward_kernel(check_attention(x, x, x), (int(cc[:-1]), int(cc[-1])),
-                                    dev.attributes["MaxSharedMemoryPerBlockOptin"])
-            print(f"  {dtype:8s} D={d:<4d} -> {choice.family}: {choice.name_expression}")
+            # device arrays: dispatch reads their alignment
+            x = cupy.empty((1, d), ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+            call = check_attention(x, x, x, precision=precision)
+            fwd = forward_kernel(call, capability, smem)
+            bwd = backward_kernels(call, capability, smem, (call.dtype, call.dtype), x)
+            label = dtype + (f" {precision}" if precision else "")
+            print(f"  {label:13s} D={d:<4d} -> {fwd.family}: {fwd.name_expression}")
+            print(f"  {'':13s} {'':6s} -> {bwd.family}: {bwd.dkdv}")
     return 0
 
 
