@@ -131,6 +131,22 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
+def _first_fit(candidates, smem_of, smem_limit: int, family: str, request: str):
+    """The first candidate tiles whose shared memory fits, with that shared memory.
+    ``smem_of(tiles)`` is a byte count, or a tuple of counts (one per kernel) that must all
+    fit; ``family`` and ``request`` name what did not fit in the error."""
+    for tiles in candidates:
+        smem = smem_of(tiles)
+        if max(smem if isinstance(smem, tuple) else (smem,)) <= smem_limit:
+            return tiles, smem
+    raise NotImplementedError(f"no {family} tile configuration fits {smem_limit} bytes of "
+                              f"shared memory for {request}")
+
+
+def _bias_type(bias_dtype) -> str:
+    return "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+
+
 def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: int,
                         pipelined: bool) -> int:
     """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
@@ -149,25 +165,28 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     head = max(head_dim, head_dim_v)
     acc_itemsize = 8 if name == "float64" else 4
     vec = 16 // acc_itemsize
-    # cp.async double buffering (sm_80+) copies float32/float64 tiles as they are, when Q
-    # fits one chunk; 16-bit inputs are converted to float on their way into shared memory
     if tiles is None:
         candidates = next(c for dtypes, max_d, c, _ in PORTABLE_TILES
                           if name in dtypes and head <= max_d)
     else:
         candidates = (tiles,)
-    for tiles in candidates:
+
+    def layout(tiles):  # (d_tile, dv_tile, pipelined) of a candidate
         d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
         dv_tile = min(_pow2_at_least(head_dim_v, 16 * vec), tiles.dv_tile)
+        # cp.async double buffering (sm_80+) copies float32/float64 tiles as they are, when
+        # Q fits one chunk; 16-bit inputs are converted to float on their way into shared memory
         pipelined = name in ("float32", "float64") and head_dim <= d_tile and cc >= (8, 0)
-        smem = portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize, pipelined)
-        if smem <= smem_limit:
-            break
-    else:
-        raise NotImplementedError(f"no portable tile configuration fits {smem_limit} bytes of "
-                                  f"shared memory for {name} with head dims {head_dim}, "
-                                  f"{head_dim_v}")
-    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+        return d_tile, dv_tile, pipelined
+
+    def smem_of(tiles):
+        d_tile, dv_tile, pipelined = layout(tiles)
+        return portable_smem_bytes(tiles, d_tile, dv_tile, acc_itemsize, pipelined)
+
+    tiles, smem = _first_fit(candidates, smem_of, smem_limit, "portable",
+                             f"{name} with head dims {head_dim}, {head_dim_v}")
+    d_tile, dv_tile, pipelined = layout(tiles)
+    bias_t = _bias_type(bias_dtype)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "
             f"{str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
             f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}>")
@@ -189,14 +208,9 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in MMA_TILES if head <= max_d)
-    for tiles in candidates:
-        smem = mma_smem_bytes(tiles, hd, hdv)
-        if smem <= smem_limit:
-            break
-    else:
-        raise NotImplementedError(f"no mma tile configuration fits {smem_limit} bytes of "
-                                  f"shared memory for head dims {head_dim}, {head_dim_v}")
-    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+    tiles, smem = _first_fit(candidates, lambda t: mma_smem_bytes(t, hd, hdv), smem_limit,
+                             "mma", f"head dims {head_dim}, {head_dim_v}")
+    bias_t = _bias_type(bias_dtype)
     expr = (f"attention_fwd_mma<{c_type_name(call_dtype)}, {bias_t}, {str(has_mask).lower()}, "
             f"{hd}, {hdv}, {tiles.block_n}, {tiles.num_warps}, {tiles.m_tiles}, "
             f"{str(aligned).lower()}, {tiles.min_blocks}>")
@@ -250,14 +264,9 @@ def _mma_f32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned
     hd, hdv = -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in MMA_F32_TILES if head <= max_d)
-    for tiles in candidates:
-        smem = mma_f32_smem_bytes(tiles, hd, hdv)
-        if smem <= smem_limit:
-            break
-    else:
-        raise NotImplementedError(f"no mma_f32 tile configuration fits {smem_limit} bytes of "
-                                  f"shared memory for head dims {head_dim}, {head_dim_v}")
-    bias_t = "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
+    tiles, smem = _first_fit(candidates, lambda t: mma_f32_smem_bytes(t, hd, hdv), smem_limit,
+                             "mma_f32", f"head dims {head_dim}, {head_dim_v}")
+    bias_t = _bias_type(bias_dtype)
     expr = (f"attention_fwd_mma_f32<{bias_t}, {str(has_mask).lower()}, {hd}, {hdv}, "
             f"{tiles.block_n}, {tiles.block_m // 16}, {str(aligned).lower()}>")
     return KernelChoice("mma_f32", "attention_mma_f32.cu", expr,
@@ -418,10 +427,6 @@ def mma_backward_smem_bytes(tiles: MmaBwdTiles, hd: int, hdv: int) -> tuple[int,
     return dkdv, dq
 
 
-def _bias_type(bias_dtype) -> str:
-    return "cuattn::NoBias" if bias_dtype is None else c_type_name(bias_dtype)
-
-
 def _portable_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
                        grad_dtypes, smem_limit: int, tiles: BwdTiles | None = None):
     name = np.dtype(dtype).name
@@ -430,15 +435,14 @@ def _portable_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_ma
     vec = 16 // acc_itemsize
     candidates = (tiles,) if tiles is not None else next(
         c for dtypes, max_d, c, _ in BACKWARD_TILES if name in dtypes and head <= max_d)
-    for tiles in candidates:
-        d_tile = min(_pow2_at_least(head, 16 * vec), tiles.d_tile)
-        smem = backward_smem_bytes(tiles, d_tile, acc_itemsize)
-        if max(smem) <= smem_limit:
-            break
-    else:
-        raise NotImplementedError(f"no portable backward tile configuration fits {smem_limit} "
-                                  f"bytes of shared memory for {name} with head dims "
-                                  f"{head_dim}, {head_dim_v}")
+
+    def d_tile_of(tiles):
+        return min(_pow2_at_least(head, 16 * vec), tiles.d_tile)
+
+    tiles, smem = _first_fit(
+        candidates, lambda t: backward_smem_bytes(t, d_tile_of(t), acc_itemsize), smem_limit,
+        "portable backward", f"{name} with head dims {head_dim}, {head_dim_v}")
+    d_tile = d_tile_of(tiles)
     resident = head <= d_tile
     t = c_type_name(dtype)
     common = (f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {tiles.block_m}, "
@@ -457,13 +461,8 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, min_cc, c, _ in MMA_BACKWARD_TILES if head <= max_d and cc >= min_cc)
-    for tiles in candidates:
-        smem = mma_backward_smem_bytes(tiles, hd, hdv)
-        if max(smem) <= smem_limit:
-            break
-    else:
-        raise NotImplementedError(f"no mma backward tile configuration fits {smem_limit} bytes "
-                                  f"of shared memory for head dims {head_dim}, {head_dim_v}")
+    tiles, smem = _first_fit(candidates, lambda t: mma_backward_smem_bytes(t, hd, hdv),
+                             smem_limit, "mma backward", f"head dims {head_dim}, {head_dim_v}")
     # output columns per block: all up to 128, else 128- or 64-column tiles that divide
     # both padded head dims
     if max(hd, hdv) <= 128:
