@@ -18,8 +18,8 @@ import numpy as np
 from ._checks import AttentionCall
 from ._kernels import c_type_name
 
-__all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "Tiles", "MmaTiles",
-           "KernelChoice", "mma_f32_smem_bytes",
+__all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
+           "MmaTiles", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes",
@@ -37,6 +37,10 @@ class Family:
     max_head_dim: int
     reason: str
     precisions: tuple[str, ...] | None = None  # float32 precisions served (None: all)
+    archs: tuple[tuple[int, int], ...] | None = None  # capabilities served (None: >= min_cc)
+
+    def serves(self, cc: tuple[int, int]) -> bool:
+        return cc >= self.min_cc and (self.archs is None or cc in self.archs)
 
 
 #: Attention families, most preferred first. A call takes the first row whose compute
@@ -44,10 +48,14 @@ class Family:
 FAMILIES = (
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
-    Family("mma_f32", "attention_mma_f32.cu", (8, 0), ("float32",), 256,
+    Family("mma_f32", "attention_mma_wide.cu", (8, 0), ("float32",), 256,
            "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
            "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.0x",
            precisions=("tf32",)),
+    Family("mma_f64", "attention_mma_wide.cu", (8, 0), ("float64",), 128,
+           "float64 on the FP64 tensor cores (DMMA) of A100, H100/H200 and B200 only (the "
+           "other sm_8x/sm_12x parts have none); head dims above 128 would spill the "
+           "double accumulators", archs=((8, 0), (9, 0), (10, 0))),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature, head dims to 1024: the reference kernel"),
@@ -70,10 +78,12 @@ class Tiles:
 #: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_tiles.py.
 PORTABLE_TILES = (
     (("float16", "bfloat16", "float32"), 64,
-     (Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2), Tiles(32, 32, 64, 64, 2)),
+     (Tiles(128, 128, 64, 64, 1), Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2),
+      Tiles(32, 32, 64, 64, 2)),
      "fp32 D64 pipelined, unroll 2: 128x64 30.7 / 28.3, 64x64 28.7 / 26.9, 64x128 28.2 / 25.9"),
     (("float16", "bfloat16", "float32"), 1024,
-     (Tiles(128, 32, 128, 128, 1), Tiles(64, 64, 128, 128, 1), Tiles(32, 32, 64, 64, 2)),
+     (Tiles(128, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1), Tiles(64, 64, 128, 128, 1),
+      Tiles(32, 32, 64, 64, 2)),
      "fp32 D128 pipelined, unroll 2: 128x32 31.3 / 28.1, 64x64 28.7 / 27.5, 64x32 28.0 / 26.1"),
     (("float64",), 64,
      (Tiles(64, 64, 64, 64, 1), Tiles(32, 32, 64, 64, 1)),
@@ -152,7 +162,7 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
     """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
     pad = 16 // acc_itemsize
     if pipelined:
-        kv = 2 * tiles.block_n * (d_tile + pad) + 2 * tiles.block_n * (dv_tile + pad)
+        kv = 2 * tiles.block_n * (d_tile + pad) + tiles.block_n * (dv_tile + pad)
     else:
         kv = tiles.block_n * (max(d_tile, dv_tile) + pad)
     elems = tiles.block_m * (d_tile + pad) + kv + tiles.block_m * (tiles.block_n + pad)
@@ -251,25 +261,39 @@ MMA_F32_TILES = (
      "first version, not swept: 64x32 needs 202 KB; the others fit 164 KB and 99 KB"),
 )
 
+#: mma_f64 family, as MMA_F32_TILES (double operands: twice the shared memory per tile).
+#: TFLOP/s on the H200, non-causal / causal, tools/sweep_tiles.py --f64.
+MMA_F64_TILES = (
+    (64, (MmaTiles(64, 32), MmaTiles(32, 32), MmaTiles(32, 16)),
+     "B1 H16 S4096: 64x32 (2 blocks/SM) 28.4 / 22.5, 128x32 29.0 / 21.5, 64x16 24.2 / 18.3, "
+     "64x64 20.4 / 17.5, 32x32 18.3 / 14.6"),
+    (128, (MmaTiles(128, 16), MmaTiles(64, 16), MmaTiles(32, 16)),
+     "B1 H16 S4096: 128x16 32.1 / 24.5, 64x16 21.2 / 18.9, 32x16 19.8 / 16.1; 64x32 spills "
+     "28 bytes on sm_90"),
+)
 
-def mma_f32_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int) -> int:
-    """Dynamic shared memory of attention_fwd_mma_f32 (see the .cu header)."""
+
+def mma_wide_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int) -> int:
+    """Dynamic shared memory of attention_fwd_mma_wide (see the .cu header)."""
     return (tiles.block_m * (head_dim + 8) + 2 * tiles.block_n * (head_dim + 8)
-            + 2 * tiles.block_n * (head_dim_v + 4)) * 4
+            + 2 * tiles.block_n * (head_dim_v + 16 // itemsize)) * itemsize
 
 
-def _mma_f32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
-             smem_limit: int, tiles: MmaTiles | None = None):
+def _mma_wide(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
+              has_mask: bool, aligned: bool, smem_limit: int, tiles: MmaTiles | None = None):
+    """The mma_f32 and mma_f64 families: attention_fwd_mma_wide<float or double, ...>."""
     head = max(head_dim, head_dim_v)
     hd, hdv = -(-head_dim // 32) * 32, -(-head_dim_v // 32) * 32
+    table = MMA_F32_TILES if family == "mma_f32" else MMA_F64_TILES
     candidates = (tiles,) if tiles is not None else next(
-        c for max_d, c, _ in MMA_F32_TILES if head <= max_d)
-    tiles, smem = _first_fit(candidates, lambda t: mma_f32_smem_bytes(t, hd, hdv), smem_limit,
-                             "mma_f32", f"head dims {head_dim}, {head_dim_v}")
-    bias_t = _bias_type(bias_dtype)
-    expr = (f"attention_fwd_mma_f32<{bias_t}, {str(has_mask).lower()}, {hd}, {hdv}, "
-            f"{tiles.block_n}, {tiles.block_m // 16}, {str(aligned).lower()}>")
-    return KernelChoice("mma_f32", "attention_mma_f32.cu", expr,
+        c for max_d, c, _ in table if head <= max_d)
+    tiles, smem = _first_fit(
+        candidates, lambda t: mma_wide_smem_bytes(t, hd, hdv, call_dtype.itemsize),
+        smem_limit, family, f"head dims {head_dim}, {head_dim_v}")
+    expr = (f"attention_fwd_mma_wide<{c_type_name(call_dtype)}, {_bias_type(bias_dtype)}, "
+            f"{str(has_mask).lower()}, {hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 16}, "
+            f"{str(aligned).lower()}>")
+    return KernelChoice(family, "attention_mma_wide.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.block_m // 16 * 32)
 
@@ -304,16 +328,16 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
     for family in FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if not (cc >= family.min_cc and dtype.name in family.dtypes
+        if not (family.serves(cc) and dtype.name in family.dtypes
                 and max(head_dim, head_dim_v) <= family.max_head_dim
                 and (family.precisions is None or precision in family.precisions)):
             continue
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)
-        if family.name == "mma_f32":
-            return _mma_f32(head_dim, head_dim_v, bias_dtype, has_mask, aligned, smem_limit,
-                            tiles)
+        if family.name in ("mma_f32", "mma_f64"):
+            return _mma_wide(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
+                             aligned, smem_limit, tiles)
         return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, cc, smem_limit,
                          tiles)
     return None
@@ -512,7 +536,7 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
     for family in BACKWARD_FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if not (cc >= family.min_cc and dtype.name in family.dtypes
+        if not (family.serves(cc) and dtype.name in family.dtypes
                 and max(head_dim, head_dim_v) <= family.max_head_dim):
             continue
         if family.name == "mma":

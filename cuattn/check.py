@@ -39,7 +39,11 @@ def run_check(quick: bool = False) -> int:
     failures, t0 = 0, time.perf_counter()
     print(f"{'family':9s} {'dtype':9s} {'feature':8s} {'shape':14s} {'max error':>10s} "
           f"{'bound':>10s}  result")
+    cc = divmod(int(cupy.cuda.Device().compute_capability), 10)
     for family in FAMILIES:
+        if not family.serves(cc):
+            print(f"{family.name:9s} not on compute capability {cc[0]}.{cc[1]}: {family.reason}")
+            continue
         # a family that serves only some float32 precisions (mma_f32: "tf32") runs with it
         fam_kw = ({"precision": family.precisions[0]}
                   if family.precisions and "highest" not in family.precisions else {})

@@ -22,13 +22,14 @@
 //             Nothing of size Sq x Sk is written to global memory.
 // Template:   T storage type; BiasT bias storage type (NoBias: no bias); HAS_MASK whether a
 //             bool mask is read (both compile out of the plain path, which saves registers);
-//             PIPELINED: K and V tiles arrive by cp.async one tile ahead, double-buffered
-//             (float32/float64 with D <= D_TILE; 16-bit inputs convert on load instead);
+//             PIPELINED: tiles arrive by cp.async (float32/float64 with D <= D_TILE; 16-bit
+//             inputs convert on load instead): K one tile ahead into two stages, V into one
+//             buffer while the scores of its own tile are computed; two barriers per tile;
 //             BLOCK_M, BLOCK_N tile rows of Q and K; D_TILE contraction chunk; DV_TILE output
 //             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__.
 // Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
 //             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
-//             2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_N*(DV_TILE+PAD) when PIPELINED;
+//             2*BLOCK_N*(D_TILE+PAD) + BLOCK_N*(DV_TILE+PAD) when PIPELINED;
 //             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
 // Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
 //             (this loop, in NumPy).
@@ -136,10 +137,10 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % 16 == 0 &&
                   DV_TILE % (16 * VEC) == 0, "tile sizes must be multiples of 16 (DV_TILE of 16*VEC)");
 
-    // Shared memory. Pipelined: Q, two K stages, two V stages, P. Otherwise: Q, one buffer
+    // Shared memory. Pipelined: Q, two K stages, one V buffer, P. Otherwise: Q, one buffer
     // that holds K and then V, P.
     constexpr int K_ELEMS = BLOCK_N * (D_TILE + PAD), V_ELEMS = BLOCK_N * (DV_TILE + PAD);
-    constexpr int KV_ELEMS = PIPELINED ? 2 * (K_ELEMS + V_ELEMS) : BLOCK_N * (KV_COLS + PAD);
+    constexpr int KV_ELEMS = PIPELINED ? 2 * K_ELEMS + V_ELEMS : BLOCK_N * (KV_COLS + PAD);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* q_s = reinterpret_cast<A*>(smem_raw);                // [BLOCK_M][D_TILE + PAD]
     A* kv_s = q_s + BLOCK_M * (D_TILE + PAD);               // see above
@@ -171,21 +172,23 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 
     const long long rows_q = p.seqlen_q - m0;
     const int num_d_chunks = (int)((p.head_dim + D_TILE - 1) / D_TILE);
-    // K and V of key tile n0 into stage `st` of the pipeline (one cp.async group)
-    auto request_kv = [&](long long n0, int st) {
-        if constexpr (PIPELINED) {
+    // pipelined copies: K of key tile n0 into stage `st`, V of key tile n0 into its buffer
+    auto request_k = [&](long long n0, int st) {
+        if constexpr (PIPELINED)
             load_tile_async<BLOCK_N, D_TILE, PAD>(kv_s + st * K_ELEMS, k + n0 * p.k_s.row,
                                                   p.k_s.row, p.k_s.col, p.seqlen_k - n0, p.head_dim);
-            load_tile_async<BLOCK_N, DV_TILE, PAD>(kv_s + 2 * K_ELEMS + st * V_ELEMS,
-                                                   v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
-                                                   p.seqlen_k - n0, p.head_dim_v - c0);
-        }
+    };
+    auto request_v = [&](long long n0) {
+        if constexpr (PIPELINED)
+            load_tile_async<BLOCK_N, DV_TILE, PAD>(kv_s + 2 * K_ELEMS, v + n0 * p.v_s.row,
+                                                   p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                   p.head_dim_v - c0);
     };
     // Q stays in shared memory for the whole loop when the head dim fits one chunk (always
     // so when pipelined); the first loop iteration's barrier makes it visible.
     if constexpr (PIPELINED) {
         load_tile_async<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
-        if (n_lo < n_hi) request_kv(n_lo, 0);
+        if (n_lo < n_hi) request_k(n_lo, 0);
         cp_async_commit();
     } else if (num_d_chunks == 1) {
         load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
@@ -208,12 +211,15 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 #pragma unroll
             for (int j = 0; j < TN; ++j) s[i][j] = A(0);
         if constexpr (PIPELINED) {
-            // fetch the next tile into the other stage while this one is computed; that
-            // stage was last read before the final barrier of the previous iteration
-            if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+            // the next tile's K into the other stage, which the previous iteration's scores
+            // read before its second barrier
+            if (n0 + BLOCK_N < n_hi) request_k(n0 + BLOCK_N, stage ^ 1);
             cp_async_commit();
-            cp_async_wait<1>();  // everything but the group just issued has landed
-            __syncthreads();     // ... for every thread's copies: this tile's K and V
+            cp_async_wait<1>();  // everything but the group just issued has landed ...
+            __syncthreads();     // ... for every thread: this tile's K (and Q); and every
+                                 // thread is past the previous P V, so V and P are free
+            request_v(n0);       // lands while the scores are computed
+            cp_async_commit();
             scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
         }
         for (int dc = 0; !PIPELINED && dc < num_d_chunks; ++dc) {
@@ -243,10 +249,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
         if constexpr (!PIPELINED)
             load_tile<BLOCK_N, DV_TILE, PAD>(kv_s, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col,
                                              p.seqlen_k - n0, p.head_dim_v - c0);
+        else
+            cp_async_wait<0>();  // this tile's V has landed (and the next K, issued earlier)
         __syncthreads();  // P and V are in shared memory
-        const A* v_s = PIPELINED ? kv_s + 2 * K_ELEMS + stage * V_ELEMS : kv_s;
+        const A* v_s = PIPELINED ? kv_s + 2 * K_ELEMS : kv_s;
         rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, v_s, tx, ty);
-        __syncthreads();  // P and V are consumed before the next tile overwrites them
+        // P and the K/V buffer are consumed before the next tile overwrites them (pipelined:
+        // the next iteration's first barrier does this)
+        if constexpr (!PIPELINED) __syncthreads();
     }
     if constexpr (PIPELINED) cp_async_wait<0>();  // no copy may outlive the block
 

@@ -27,9 +27,10 @@ FAMILY_KW = {f.name: {"precision": f.precisions[0]} for f in FAMILIES
 
 
 def _dtype_for(family):
-    """float32 where the family serves it, else float16: for the feature-agnostic tests."""
+    """float32 where the family serves it, else float16, else float64: for the
+    feature-agnostic tests."""
     dtypes = next(f.dtypes for f in FAMILIES if f.name == family)
-    return np.float32 if "float32" in dtypes else np.float16
+    return next(d for d in (np.float32, np.float16, np.float64) if np.dtype(d).name in dtypes)
 SHAPES = [  # (Sq, Sk, D, Dv)
     (1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
     (1023, 1025, 128, 128), (1025, 1023, 64, 64), (130, 70, 256, 256), (33, 65, 512, 512),
@@ -226,12 +227,13 @@ def test_dlpack_inputs_from_torch(family):
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
     bf16 = "bfloat16" in next(f.dtypes for f in FAMILIES if f.name == family)
-    tdtype, dtype = (torch.bfloat16, ml_dtypes.bfloat16) if bf16 else (torch.float32, np.float32)
+    dtype = ml_dtypes.bfloat16 if bf16 else _dtype_for(family)
+    tdtype = getattr(torch, np.dtype(dtype).name)
     q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=tdtype) for _ in range(3))
     kw = {"causal": True, **FAMILY_KW.get(family, {})}
     got = _attention(q, k, v, kernel=family, **kw)
     assert got.dtype == dtype
-    qh, kh, vh = (x.float().cpu().numpy().astype(dtype) for x in (q, k, v))
+    qh, kh, vh = (x.double().cpu().numpy().astype(dtype) for x in (q, k, v))
     ref, _ = attention_reference(qh, kh, vh, **kw)
     assert_accurate(got, ref, naive_attention(qh, kh, vh, **kw))
 

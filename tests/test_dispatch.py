@@ -33,7 +33,10 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F32, 128).family == "portable"         # "highest" stays exact
     assert forward(F32, 128, precision="tf32").family == "mma_f32"
     assert forward(F32, 512, precision="tf32").family == "portable"
-    assert forward(F64, 64).family == "portable"
+    assert forward(F64, 64).family == "mma_f64"            # FP64 tensor cores
+    assert forward(F64, 64, gpu=A100).family == "mma_f64"
+    assert forward(F64, 64, gpu=SM86).family == "portable"  # sm_86 has no FP64 tensor cores
+    assert forward(F64, 256).family == "portable"           # beyond the mma_f64 head dims
     assert forward(F16, 64, gpu=((7, 5), 65536)).family == "portable"  # pre-Ampere
     # a forced family that does not serve the call gives no choice (NotImplementedError)
     assert forward(F32, 64, forced="mma_f32") is None     # precision "highest"
@@ -42,11 +45,26 @@ def test_forward_families_by_dtype_precision_and_head_dim():
 
 def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
     choice = forward(F32, 40, precision="tf32")
-    assert "attention_fwd_mma_f32<cuattn::NoBias, false, 64, 64," in choice.name_expression
+    assert ("attention_fwd_mma_wide<float, cuattn::NoBias, false, 64, 64,"
+            in choice.name_expression)
     for gpu in (H200, A100, SM86):
         for head in (32, 64, 128, 256):
             choice = forward(F32, head, gpu=gpu, precision="tf32")
             assert choice.family == "mma_f32" and choice.shared_mem <= gpu[1]
+
+
+def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
+    choice = forward(F64, 40)
+    assert ("attention_fwd_mma_wide<double, cuattn::NoBias, false, 64, 64,"
+            in choice.name_expression)
+    for gpu in (H200, A100):
+        for head in (32, 64, 96, 128):
+            choice = forward(F64, head, gpu=gpu)
+            assert choice.family == "mma_f64" and choice.shared_mem <= gpu[1]
+            # the kernel's pitches: Q and K rows HEAD_DIM + 8, V rows HEAD_DIM_V + 2 doubles
+            t = choice.tiles
+            assert choice.shared_mem == 8 * (t.block_m * (t.d_tile + 8) + 2 * t.block_n * (
+                t.d_tile + 8) + 2 * t.block_n * (t.dv_tile + 2))
 
 
 def test_backward_families_and_tiles():

@@ -1,10 +1,12 @@
 """Tile sweeps of the attention families: one GPU run, every candidate timed.
 
     PYTHONPATH=. python tools/sweep_tiles.py          # portable family
+    PYTHONPATH=. python tools/sweep_tiles.py float32  # portable family, float32 rows only
     PYTHONPATH=. python tools/sweep_tiles.py --mma    # mma family
+    PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
-cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES) with the measured reason.
+cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F64_TILES) with the measured reason.
 """
 import math
 import sys
@@ -16,10 +18,10 @@ from cuattn.attention import _attention
 from cuattn.bench import _time
 
 CANDIDATES = {
-    ("float32", 64): [Tiles(128, 64, 64, 64, 1), Tiles(64, 128, 64, 64, 1),
-                      Tiles(64, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2)],
-    ("float32", 128): [Tiles(64, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1),
-                       Tiles(64, 32, 128, 128, 1), Tiles(64, 32, 128, 128, 2)],
+    ("float32", 64): [Tiles(128, 64, 64, 64, 1), Tiles(128, 128, 64, 64, 1),
+                      Tiles(64, 64, 64, 64, 2)],
+    ("float32", 128): [Tiles(128, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1),
+                       Tiles(64, 64, 128, 128, 1)],
     ("float64", 64): [Tiles(64, 64, 64, 64, 1), Tiles(64, 32, 64, 64, 1),
                       Tiles(128, 32, 64, 64, 1), Tiles(32, 64, 64, 64, 1)],
     ("float64", 128): [Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 128, 128, 1),
@@ -32,12 +34,22 @@ MMA_CANDIDATES = {  # MmaTiles(block_m, block_n, m_tiles, min_blocks per SM)
                         MmaTiles(64, 32, 1, 2)],
     ("bfloat16", 256): [MmaTiles(64, 32)],
 }
+F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n): one warp per 16 rows
+    ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 64), MmaTiles(64, 16),
+                      MmaTiles(32, 32)],
+    ("float64", 128): [MmaTiles(64, 16), MmaTiles(32, 16), MmaTiles(128, 16)],
+}
 
 
 def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
-    only_mma = "--mma" in sys.argv
-    for (dtype, d), cands in (MMA_CANDIDATES if only_mma else CANDIDATES).items():
+    table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
+                     (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
+                     (CANDIDATES, "portable"))
+    dtypes = [a for a in sys.argv[1:] if not a.startswith("--")]  # e.g. float32: only those
+    for (dtype, d), cands in table.items():
+        if dtypes and dtype not in dtypes:
+            continue
         b, h, s = (1, 16, 4096) if dtype == "float64" else (4, 16, 4096)
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
         for causal in (False, True):
@@ -46,7 +58,7 @@ def main():
                 label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(q=q, k=k, v=v, causal=causal, tiles=tiles):
-                        return _attention(q, k, v, causal=causal, tiles=tiles)
+                        return _attention(q, k, v, causal=causal, tiles=tiles, kernel=family)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"
                 except Exception as exc:  # noqa: BLE001 - report and go on

@@ -1,0 +1,267 @@
+// attention_mma_wide.cu -- float32 and float64 attention forward on tensor cores:
+// float32 through TF32 (sm_80 and newer), float64 through DMMA (the FP64 tensor cores of
+// sm_80, sm_90 and sm_100; dispatch picks it only there).
+//
+// Computes:   the same function as attention_mma.cu (API.md semantics; reference
+//             cuattn/reference.py::attention_reference). The products S = Q K^T and O += P V
+//             run on m16n8k8 tensor-core steps:
+//             - T = float, precision="tf32": mma.sync m16n8k8 .tf32 with float32
+//               accumulators, each operand (q, k, P, v) rounded to TF32 (10-bit mantissa,
+//               cvt.rna) once; the softmax is float32. Its yardstick is
+//               cuattn/reference.py::naive_attention with the same roundings.
+//               precision="highest" stays on the portable family: a 3xTF32 variant (hi/lo
+//               operand splits, three products) ran at 39 TFLOP/s but missed the accuracy
+//               rule by up to 2.0x (docs/kernels.rst).
+//             - T = double: DMMA, IEEE double products and sums (mma.sync m16n8k8 .f64 on
+//               sm_90 and newer, four m8n8k4 on sm_80); the softmax is double.
+// Layout:     as attention_mma.cu: AttnParams with element strides. ALIGNED instances copy
+//             rows in 16-byte cp.async chunks (unit column strides, row strides multiples of
+//             16 bytes, 16-byte aligned pointers, head dims multiples of 16 bytes).
+// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * NUM_WARPS query rows of one
+//             batch entry and all Dv columns; warp w owns rows 16w .. 16w+15 (lane g = lane/4,
+//             t = lane%4 holds rows g, g+8 of each accumulator tile).
+// Fragments:  T tiles in shared memory, loaded by plain LDS (ldmatrix moves 16-bit units).
+//             The contraction index inside each k8 step is permuted consistently for both
+//             operands -- lane t holds k = 2t, 2t+1 instead of t, t+4 -- so that a lane's two
+//             A (and two B) elements are adjacent: one 64-bit (float) or 128-bit (double)
+//             load each. For O += P V the permutation is the one the accumulator layout
+//             already has: the S accumulator's columns 2t, 2t+1 of key tile j are the A
+//             operand's k = t, t+4, and V rows 8j + 2t, 8j + 2t + 1 are loaded as B's
+//             k = t, t+4. No shuffles.
+// Template:   T (float or double); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V: head dims padded to
+//             multiples of 32 (zero-filled); BLOCK_N keys per tile; NUM_WARPS; ALIGNED.
+// Shared mem: (BLOCK_M*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM_V+V_PAD))
+//             * sizeof(T), V_PAD = 16 bytes of T: Q, two stages of K and V. Row pitch
+//             HEAD_DIM+8 makes the Q and K fragment loads conflict-free (float: the 64-bit
+//             loads of 4 rows x 4 lanes per half-warp hit 32 distinct banks; double: the
+//             128-bit loads of 2 rows x 4 lanes per quarter-warp do); HEAD_DIM_V+V_PAD puts
+//             V rows 2t, 2t+1 of the B loads in distinct banks.
+//             cuattn/_dispatch.py::mma_wide_smem_bytes computes the same number.
+#include "mma_softmax.cuh"
+#include "mma_tiles.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+
+namespace {
+
+// One m16n8k8 tensor-core step, d += a b, in the layout of the TF32 m16n8k8 instruction:
+// A elements (a0, a1, a2, a3) = rows (g, g+8, g, g+8) and k = (t, t, t+4, t+4); B elements
+// (b0, b1) = k (t, t+4); accumulators (rows g, g, g+8, g+8; columns 2t, 2t+1). Operands
+// come through operand(), which rounds float to TF32 and passes double through.
+__device__ __forceinline__ unsigned operand(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ double operand(double x) { return x; }
+
+__device__ __forceinline__ void mma_k8(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_k8(double (&d)[4], double a0, double a1, double a2,
+                                       double a3, double b0, double b1) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a0), "d"(a1), "d"(a2), "d"(a3), "d"(b0), "d"(b1));
+#else
+    // sm_80: four m8n8k4 steps (A (g, t), B (t, g), accumulators row g, columns 2t, 2t+1):
+    // rows g and g+8, k halves t and t+4
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%4}, {%6}, {%0, %1};\n"
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%5}, {%7}, {%0, %1};\n"
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%2, %3}, {%8}, {%6}, {%2, %3};\n"
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%2, %3}, {%9}, {%7}, {%2, %3};\n"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a0), "d"(a2), "d"(b0), "d"(b1), "d"(a1), "d"(a3));
+#endif
+}
+
+// Two adjacent elements of T from shared memory (8 bytes for float, 16 for double)
+template <typename T> struct Pair;
+template <> struct Pair<float> { using type = float2; };
+template <> struct Pair<double> { using type = double2; };
+template <typename T>
+__device__ __forceinline__ typename Pair<T>::type load_pair(const T* p) {
+    return *reinterpret_cast<const typename Pair<T>::type*>(p);
+}
+
+// Copy ROWS x COLS elements of a strided tensor into shared memory with row pitch PITCH;
+// rows >= nrows and columns >= ncols become 0. ALIGNED: 16-byte cp.async chunks
+// (ncols is a multiple of a chunk, so chunks are all or nothing); otherwise synchronous
+// element loads.
+template <int ROWS, int COLS, int PITCH, int THREADS, bool ALIGNED, typename T>
+__device__ __forceinline__ void load_tile_wide(T* dst, const T* src, long long row_stride,
+                                               long long col_stride, long long nrows,
+                                               long long ncols) {
+    constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
+        T* d = dst + r * PITCH + c;
+        if constexpr (ALIGNED) {
+            const bool ok = r < nrows && c < ncols;
+            const T* s = ok ? src + r * row_stride + c : src;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(d)),
+                         "l"(s), "r"(ok ? 16 : 0));
+        } else {
+#pragma unroll
+            for (int e = 0; e < CHUNK; ++e) {
+                const bool ok = r < nrows && c + e < ncols;
+                d[e] = ok ? src[r * row_stride + (c + e) * col_stride] : T(0);
+            }
+        }
+    }
+}
+
+// S (16 x BLOCK_N) = Q K^T for the warp's rows: A from Q rows g, g+8; B from K rows
+// 8j + g; inside each k8 step lane t reads columns k0 + 2t, k0 + 2t + 1 of both.
+template <int HEAD_DIM, int BLOCK_N, typename T>
+__device__ __forceinline__ void scores_wide(T (&s)[BLOCK_N / 8][4], const T* q_w,
+                                            const T* k_s, int lane) {
+    constexpr int QP = HEAD_DIM + 8;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = T(0);
+#pragma unroll 2
+    for (int k0 = 0; k0 < HEAD_DIM; k0 += 8) {
+        const auto q0 = load_pair(q_w + g * QP + k0 + 2 * t);
+        const auto q1 = load_pair(q_w + (g + 8) * QP + k0 + 2 * t);
+        const auto a0 = operand(q0.x), a1 = operand(q1.x), a2 = operand(q0.y),
+                   a3 = operand(q1.y);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+            const auto kv = load_pair(k_s + (8 * j + g) * QP + k0 + 2 * t);
+            mma_k8(s[j], a0, a1, a2, a3, operand(kv.x), operand(kv.y));
+        }
+    }
+}
+
+// O (16 x HEAD_DIM_V) += P V: P's accumulator columns (2t, 2t+1) of key tile j are A's
+// k = (t, t+4); B takes V rows 8j + 2t, 8j + 2t + 1 at column 8d + g.
+template <int BLOCK_N, int HEAD_DIM_V, typename T>
+__device__ __forceinline__ void accumulate_pv_wide(T (&o)[HEAD_DIM_V / 8][4],
+                                                   const T (&s)[BLOCK_N / 8][4],
+                                                   const T* v_s, int lane) {
+    constexpr int VP = HEAD_DIM_V + 16 / sizeof(T);
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        const auto a0 = operand(s[j][0]), a1 = operand(s[j][2]), a2 = operand(s[j][1]),
+                   a3 = operand(s[j][3]);
+        const T* v0 = v_s + (8 * j + 2 * t) * VP + g;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM_V / 8; ++d) {
+            mma_k8(o[d], a0, a1, a2, a3, operand(v0[8 * d]), operand(v0[VP + 8 * d]));
+        }
+    }
+}
+
+}  // namespace
+
+template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
+          int NUM_WARPS, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(const AttnParams p) {
+    constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
+    constexpr int QP = HEAD_DIM + 8, VP = HEAD_DIM_V + 16 / sizeof(T), DV_TILES = HEAD_DIM_V / 8;
+    static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0 && BLOCK_N % 8 == 0,
+                  "head dims are padded to multiples of 32, key tiles to multiples of 8");
+    constexpr int K_ELEMS = BLOCK_N * QP, V_ELEMS = BLOCK_N * VP;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M][QP]
+    T* k_s = q_s + BLOCK_M * QP;              // [2][BLOCK_N][QP]
+    T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N][VP]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long m_block = p.num_m_blocks - 1 - blockIdx.x % p.num_m_blocks;  // heavy first
+    const long long b = blockIdx.x / p.num_m_blocks;
+    const long long m0 = m_block * BLOCK_M;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // key tiles that the causal/window band reaches from rows m0 .. m_last
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    long long n_lo = 0, n_hi = p.seqlen_k;
+    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
+    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
+    n_lo = n_lo / BLOCK_N * BLOCK_N;
+
+    auto request_kv = [&](long long n0, int stage) {
+        load_tile_wide<BLOCK_N, HEAD_DIM, QP, THREADS, ALIGNED>(
+            k_s + stage * K_ELEMS, k + n0 * p.k_s.row, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+            p.head_dim);
+        load_tile_wide<BLOCK_N, HEAD_DIM_V, VP, THREADS, ALIGNED>(
+            v_s + stage * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+            p.head_dim_v);
+    };
+    load_tile_wide<BLOCK_M, HEAD_DIM, QP, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col,
+                                                           p.seqlen_q - m0, p.head_dim);
+    if (n_lo < n_hi) request_kv(n_lo, 0);
+    cp_async_commit();
+
+    T o[DV_TILES][4], m[2] = {neg_inf<T>(), neg_inf<T>()}, l[2] = {T(0), T(0)};
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = T(0);
+    const T* q_w = q_s + warp * 16 * QP;
+
+    int stage = 0;
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the group just issued have landed ...
+        __syncthreads();     // ... for every thread: Q (first time), this tile's K and V
+        T s[BLOCK_N / 8][4];
+        scores_wide<HEAD_DIM, BLOCK_N>(s, q_w, k_s + stage * K_ELEMS, lane);
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
+                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        mask_scores<BLOCK_N, HAS_MASK>(s, p, m0 + warp * 16, n0, lane, interior, mask, bias);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o);
+        accumulate_pv_wide<BLOCK_N, HEAD_DIM_V>(o, s, v_s + stage * V_ELEMS, lane);
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        T row_l = l[h];
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const T inv_l = row_l == T(0) ? T(0) : T(1) / row_l;
+        T* out_row = out + r * p.out_s.row;
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d) {
+            const long long c = 8 * d + 2 * (lane % 4);
+            if (c < p.head_dim_v) out_row[c * p.out_s.col] = o[d][2 * h] * inv_l;
+            if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = o[d][2 * h + 1] * inv_l;
+        }
+        if (p.lse && lane % 4 == 0) {
+            T* lse = reinterpret_cast<T*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = row_l == T(0) ? neg_inf<T>() : m[h] * T(LN2) + log_acc(row_l);
+        }
+    }
+}
