@@ -78,19 +78,22 @@ class Tiles:
 #: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_tiles.py.
 PORTABLE_TILES = (
     (("float16", "bfloat16", "float32"), 64,
-     (Tiles(128, 128, 64, 64, 1), Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 2),
+     (Tiles(128, 128, 64, 64, 1), Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 1),
       Tiles(32, 32, 64, 64, 2)),
-     "fp32 D64 pipelined, unroll 2: 128x64 30.7 / 28.3, 64x64 28.7 / 26.9, 64x128 28.2 / 25.9"),
+     "fp32 D64, one V buffer, 16-byte copies, skipped row groups: 128x128 36.5 / 32.6, "
+     "128x64 33.3 / 30.5, 64x64 (2/SM) 29.8 / 28.2"),
     (("float16", "bfloat16", "float32"), 1024,
      (Tiles(128, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1), Tiles(64, 64, 128, 128, 1),
       Tiles(32, 32, 64, 64, 2)),
-     "fp32 D128 pipelined, unroll 2: 128x32 31.3 / 28.1, 64x64 28.7 / 27.5, 64x32 28.0 / 26.1"),
+     "fp32 D128, as above: 128x64 37.7 / 33.9, 128x32 31.6 / 29.1, 64x64 29.8 / 28.6 (before "
+     "the cost-ordered causal grid)"),
     (("float64",), 64,
      (Tiles(64, 64, 64, 64, 1), Tiles(32, 32, 64, 64, 1)),
-     "fp64 D64 pipelined, unroll 2: 64x64 12.0 / 10.8, 128x32 11.5 / 8.6, 64x32 10.4 / 9.2"),
+     "fp64 D64, one V buffer: 64x64 12.8 / 11.1, 128x32 11.7 / 9.0, 64x32 10.7 / 9.5 (the "
+     "H200 runs float64 on mma_f64)"),
     (("float64",), 1024,
      (Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 32, 32, 1)),
-     "fp64 D128 pipelined, unroll 2: 64x32 12.7 / 11.4, 32x32 8.8 / 8.6; 64x64 needs 358 KB"),
+     "fp64 D128, one V buffer: 64x32 13.0 / 11.8, 32x32 9.1 / 9.0; 64x64 does not fit"),
 )
 
 
@@ -170,7 +173,7 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
 
 
 def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
-              cc: tuple[int, int], smem_limit: int, tiles: Tiles | None = None):
+              aligned: bool, cc: tuple[int, int], smem_limit: int, tiles: Tiles | None = None):
     name = np.dtype(call_dtype).name
     head = max(head_dim, head_dim_v)
     acc_itemsize = 8 if name == "float64" else 4
@@ -199,7 +202,8 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     bias_t = _bias_type(bias_dtype)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "
             f"{str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
-            f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}>")
+            f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}, "
+            f"{str(pipelined and aligned).lower()}>")
     return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile, smem)
 
 
@@ -230,7 +234,8 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
 
 
 def mma_aligned(call: AttentionCall) -> bool:
-    """May the mma families copy q, k, v in 16-byte chunks? Unit column strides, every other
+    """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
+    chunks? Unit column strides, every other
     stride a multiple of 16 bytes, 16-byte aligned pointers, head dims multiples of 16 bytes
     (8 elements of 16 bits, 4 of float32)."""
     vec = 16 // call.dtype.itemsize
@@ -338,8 +343,8 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
         if family.name in ("mma_f32", "mma_f64"):
             return _mma_wide(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                              aligned, smem_limit, tiles)
-        return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, cc, smem_limit,
-                         tiles)
+        return _portable(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc,
+                         smem_limit, tiles)
     return None
 
 
@@ -570,7 +575,8 @@ def forward_instances(arch: str):
                     bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
                         for aligned, precision in itertools.product(
-                                (True, False) if family.name.startswith("mma") else (True,),
+                                (True, False) if family.name.startswith("mma")
+                                or name in ("float32", "float64") else (True,),
                                 ("highest", "tf32") if name == "float32" else (None,)):
                             choice = _choose(dtype, head, head, bias_dtype, has_mask, aligned,
                                              cc, limit, family.name, None, precision)

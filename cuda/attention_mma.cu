@@ -48,8 +48,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N][HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long m_block = p.num_m_blocks - 1 - blockIdx.x % p.num_m_blocks;  // heavy first
-    const long long b = blockIdx.x / p.num_m_blocks;
+    // heaviest query blocks first (block_coords, common.cuh); one Dv tile
+    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
+                                         p.window_left >= 0 || p.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;

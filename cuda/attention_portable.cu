@@ -26,7 +26,9 @@
 //             inputs convert on load instead): K one tile ahead into two stages, V into one
 //             buffer while the scores of its own tile are computed; two barriers per tile;
 //             BLOCK_M, BLOCK_N tile rows of Q and K; D_TILE contraction chunk; DV_TILE output
-//             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__.
+//             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__;
+//             ALIGNED (pipelined only): the copies move 16-byte chunks (unit column strides,
+//             16-byte row strides and pointers, head dims multiples of 16 bytes).
 // Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
 //             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
 //             2*BLOCK_N*(D_TILE+PAD) + BLOCK_N*(DV_TILE+PAD) when PIPELINED;
@@ -59,15 +61,22 @@ __device__ __forceinline__ void mask_scores(A (&s)[TM][TN], const AttnParams& p,
             for (int j = 0; j < TN; ++j) s[i][j] *= scale_log2;
         return;
     }
-    const long long off = p.seqlen_k - p.seqlen_q;
+    // Element (i, j) sits at row row0 + i, column c0 + 16 j (c0 = col0 + tx). The sequence
+    // ends and the band (in_window in common.cuh) become 32-bit limits on i, 16 j and
+    // 16 j - i, compared against compile-time constants in the loop.
+    const long long off = p.seqlen_k - p.seqlen_q, c0 = col0 + tx;
+    auto clamp = [](long long x) { return (int)max(-(1LL << 30), min(x, 1LL << 30)); };
+    const int rows_in = clamp(p.seqlen_q - row0), cols_in = clamp(p.seqlen_k - c0);
+    const int band_hi = p.window_right < 0 ? (1 << 30) : clamp(row0 + off + p.window_right - c0);
+    const int band_lo = p.window_left < 0 ? -(1 << 30) : clamp(row0 + off - p.window_left - c0);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const long long r = row0 + i;
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
-            const long long c = col0 + tx + 16 * j;
-            bool allowed = r < p.seqlen_q && c < p.seqlen_k &&
-                           in_window(r, c, off, p.window_left, p.window_right);
+            const long long c = c0 + 16 * j;
+            bool allowed = i < rows_in && 16 * j < cols_in && 16 * j - i <= band_hi &&
+                           16 * j - i >= band_lo;
             if constexpr (HAS_MASK)
                 if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
             A x = s[i][j];
@@ -126,10 +135,11 @@ __device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N, int D_TILE,
-          int DV_TILE, int MIN_BLOCKS, bool PIPELINED>
+          int DV_TILE, int MIN_BLOCKS, bool PIPELINED, bool ALIGNED>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(const AttnParams p) {
     using A = Acc<T>;
     static_assert(!PIPELINED || sizeof(T) == sizeof(A), "the cp.async pipeline copies T as is");
+    static_assert(PIPELINED || !ALIGNED, "16-byte copies are a pipelined path");
     constexpr int VEC = 16 / sizeof(A);
     constexpr int PAD = VEC;
     constexpr int TM = BLOCK_M / 16, TN = BLOCK_N / 16, TV = DV_TILE / 16;
@@ -148,9 +158,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const long long m_block = p.num_m_blocks - 1 - blockIdx.x % p.num_m_blocks;
-    const long long dv_tile = (blockIdx.x / p.num_m_blocks) % p.num_dv_tiles;
-    const long long b = blockIdx.x / (p.num_m_blocks * p.num_dv_tiles);
+    const BlockCoords blk = block_coords(p.num_m_blocks, p.num_dv_tiles,
+                                         p.window_left >= 0 || p.window_right >= 0, true);
+    const long long m_block = blk.row_block, dv_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M, c0 = dv_tile * DV_TILE;
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
@@ -175,19 +185,19 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     // pipelined copies: K of key tile n0 into stage `st`, V of key tile n0 into its buffer
     auto request_k = [&](long long n0, int st) {
         if constexpr (PIPELINED)
-            load_tile_async<BLOCK_N, D_TILE, PAD>(kv_s + st * K_ELEMS, k + n0 * p.k_s.row,
+            load_tile_async<BLOCK_N, D_TILE, PAD, ALIGNED>(kv_s + st * K_ELEMS, k + n0 * p.k_s.row,
                                                   p.k_s.row, p.k_s.col, p.seqlen_k - n0, p.head_dim);
     };
     auto request_v = [&](long long n0) {
         if constexpr (PIPELINED)
-            load_tile_async<BLOCK_N, DV_TILE, PAD>(kv_s + 2 * K_ELEMS, v + n0 * p.v_s.row,
+            load_tile_async<BLOCK_N, DV_TILE, PAD, ALIGNED>(kv_s + 2 * K_ELEMS, v + n0 * p.v_s.row,
                                                    p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                    p.head_dim_v - c0);
     };
     // Q stays in shared memory for the whole loop when the head dim fits one chunk (always
     // so when pipelined); the first loop iteration's barrier makes it visible.
     if constexpr (PIPELINED) {
-        load_tile_async<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+        load_tile_async<BLOCK_M, D_TILE, PAD, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
         if (n_lo < n_hi) request_k(n_lo, 0);
         cp_async_commit();
     } else if (num_d_chunks == 1) {
@@ -205,6 +215,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        // this thread's rows may all lie outside the band for this tile (the upper rows of
+        // a causal block on its last tiles) or past the end: their scores become -inf and
+        // they take nothing from V, so both products are skipped (alpha is then 1, or the
+        // row is still empty)
+        const long long r0 = m0 + ty * TM;
+        const bool rows_out = r0 >= p.seqlen_q ||
+                              (p.window_right >= 0 && n0 > r0 + TM - 1 + off + p.window_right) ||
+                              (p.window_left >= 0 && n0 + BLOCK_N - 1 < r0 + off - p.window_left);
         A s[TM][TN];
 #pragma unroll
         for (int i = 0; i < TM; ++i)
@@ -220,7 +238,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
                                  // thread is past the previous P V, so V and P are free
             request_v(n0);       // lands while the scores are computed
             cp_async_commit();
-            scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
+            if (!rows_out) scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
         }
         for (int dc = 0; !PIPELINED && dc < num_d_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
@@ -230,14 +248,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             load_tile<BLOCK_N, D_TILE, PAD>(kv_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
                                             p.k_s.col, p.seqlen_k - n0, p.head_dim - d0);
             __syncthreads();  // the Q and K chunks are in shared memory
-            scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
+            if (!rows_out) scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
             __syncthreads();  // every thread is done with this chunk before it is overwritten
         }
         // interior tile: inside both sequences and inside the band for every row of the block
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
-        mask_scores<TM, TN, HAS_MASK>(s, p, m0 + ty * TM, n0, tx, interior, mask, bias);
+        mask_scores<TM, TN, HAS_MASK>(s, p, r0, n0, tx, interior, mask, bias);
         A alpha[TM];
         update_row_state(s, m, l, alpha);
 #pragma unroll
@@ -253,7 +271,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             cp_async_wait<0>();  // this tile's V has landed (and the next K, issued earlier)
         __syncthreads();  // P and V are in shared memory
         const A* v_s = PIPELINED ? kv_s + 2 * K_ELEMS : kv_s;
-        rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, v_s, tx, ty);
+        if (!rows_out)
+            rescale_and_accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, alpha, p_s, v_s, tx, ty);
         // P and the K/V buffer are consumed before the next tile overwrites them (pipelined:
         // the next iteration's first barrier does this)
         if constexpr (!PIPELINED) __syncthreads();

@@ -100,6 +100,33 @@ __device__ __forceinline__ long long batch_offset(const Strides& s, long long b,
     return (b01 / batch1) * s.b0 + (b01 % batch1) * s.b1 + b2 * s.b2;
 }
 
+// Which (row block, column tile, batch entry) this thread block computes, for a grid of
+// num_row_blocks x num_col_tiles x batch blocks. rank 0 is the costliest row block under a
+// causal band: heavy_last says it is the last one (query blocks, bottom-right aligned) rather
+// than the first (key blocks). Without a band every block costs the same and the row blocks
+// of one batch entry run side by side, sharing K and V in L2. With a band (banded: causal or
+// window) the row blocks are dealt by cost across all batch entries, costliest first, so
+// the last wave holds only the cheapest blocks instead of a late heavy one.
+struct BlockCoords {
+    long long row_block, col_tile, b;
+};
+__device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
+                                                    long long num_col_tiles, bool banded,
+                                                    bool heavy_last) {
+    const long long idx = blockIdx.x;
+    long long rank, rest;
+    if (banded) {
+        const long long per_rank = gridDim.x / num_row_blocks;  // column tiles x batch
+        rank = idx / per_rank;
+        rest = idx % per_rank;
+    } else {
+        rank = idx % num_row_blocks;
+        rest = idx / num_row_blocks;
+    }
+    return {heavy_last ? num_row_blocks - 1 - rank : rank, rest % num_col_tiles,
+            rest / num_col_tiles};
+}
+
 // Is key column j allowed for query row i under causal/window? off = seqlen_k - seqlen_q
 // aligns the band to the bottom-right corner (API.md, semantics step 4).
 __device__ __forceinline__ bool in_window(long long i, long long j, long long off,

@@ -53,10 +53,27 @@ __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_st
 // load_tile through cp.async (sm_80+): the copy runs in the background until
 // cp_async_wait; elements outside the tile's valid range are zero-filled (src-size 0).
 // Only for T == A (float32, float64): 16-bit inputs are converted on load instead.
-template <int ROWS, int COLS, int PAD, typename A>
+// ALIGNED: 16-byte chunks, one cp.async per 16 bytes, for unit column strides, row strides
+// and pointers on 16-byte boundaries and ncols a multiple of a chunk (so chunks are all or
+// nothing); otherwise one cp.async per element.
+template <int ROWS, int COLS, int PAD, bool ALIGNED, typename A>
 __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long row_stride,
                                                 long long col_stride, long long nrows,
                                                 long long ncols) {
+    if constexpr (ALIGNED) {
+        constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC;
+        static_assert(COLS % VEC == 0, "a tile row is a whole number of 16-byte chunks");
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const int r = idx / CHUNKS, c = (idx % CHUNKS) * VEC;
+            const bool ok = r < nrows && c < ncols;
+            const unsigned dst_addr =
+                static_cast<unsigned>(__cvta_generic_to_shared(dst + r * (COLS + PAD) + c));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr),
+                         "l"(ok ? src + r * row_stride + c : src), "r"(ok ? 16 : 0));
+        }
+        return;
+    }
     static_assert(THREADS % COLS == 0, "a tile row must divide the block");
     constexpr int ROW_STEP = THREADS / COLS;
     const int c = threadIdx.x % COLS;
