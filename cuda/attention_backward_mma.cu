@@ -87,9 +87,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     float* delta_s = lse_s + 2 * BLOCK_M;                          // [2][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long n_block = blockIdx.x % bp.num_row_blocks;
-    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
-    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    // heaviest key blocks first: under causal masking the first keys are seen by the most rows
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const long long n_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long n0 = n_block * BLOCK_N;
     const int c0 = (int)col_tile * COLS;
     const bool has_dk = c0 < HEAD_DIM, has_dv = c0 < HEAD_DIM_V;  // block-uniform
@@ -219,9 +220,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const long long m_block = bp.num_row_blocks - 1 - blockIdx.x % bp.num_row_blocks;
-    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
-    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const long long m_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
     const int c0 = (int)col_tile * DQ_COLS;
 

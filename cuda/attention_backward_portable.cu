@@ -59,9 +59,10 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
     A* ds_s = p_s + BLOCK_N * (BLOCK_M + PAD);   // [BLOCK_N][BLOCK_M + PAD]: dS^T
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const long long n_block = blockIdx.x % bp.num_row_blocks;
-    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
-    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    // heaviest key blocks first: under causal masking the first keys are seen by the most rows
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const long long n_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long n0 = n_block * BLOCK_N, c0 = col_tile * D_TILE;
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
@@ -187,9 +188,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const long long m_block = bp.num_row_blocks - 1 - blockIdx.x % bp.num_row_blocks;
-    const long long col_tile = (blockIdx.x / bp.num_row_blocks) % bp.num_col_tiles;
-    const long long b = blockIdx.x / (bp.num_row_blocks * bp.num_col_tiles);
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const long long m_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M, c0 = col_tile * D_TILE;
 
     const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
