@@ -107,11 +107,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                      batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // query rows whose band reaches keys n0 .. n_last
-    const long long off = p.seqlen_k - p.seqlen_q;
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    long long m_lo = 0, m_hi = p.seqlen_q;
-    if (p.window_right >= 0) m_lo = max(0LL, n0 - off - p.window_right) / BLOCK_M * BLOCK_M;
-    if (p.window_left >= 0) m_hi = min(m_hi, n_last - off + p.window_left + 1);
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
 
     load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                    p.head_dim);
@@ -239,12 +237,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                      batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // key tiles that the band reaches from rows m0 .. m_last
-    const long long off = p.seqlen_k - p.seqlen_q;
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    long long n_lo = 0, n_hi = p.seqlen_k;
-    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
-    n_lo = n_lo / BLOCK_N * BLOCK_N;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,

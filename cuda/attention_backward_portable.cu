@@ -77,11 +77,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
                                      batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // The query rows whose band reaches keys n0 .. n_last; other query tiles are skipped.
-    const long long off = p.seqlen_k - p.seqlen_q;
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    long long m_lo = 0, m_hi = p.seqlen_q;
-    if (p.window_right >= 0) m_lo = max(0LL, n0 - off - p.window_right) / BLOCK_M * BLOCK_M;
-    if (p.window_left >= 0) m_hi = min(m_hi, n_last - off + p.window_left + 1);
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
 
     const long long rows_k = p.seqlen_k - n0;
     const long long head = max(p.head_dim, p.head_dim_v);
@@ -206,12 +204,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
                                      batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // the key tiles that the causal/window band reaches from rows m0 .. m_last
-    const long long off = p.seqlen_k - p.seqlen_q;
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    long long n_lo = 0, n_hi = p.seqlen_k;
-    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
-    n_lo = n_lo / BLOCK_N * BLOCK_N;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
 
     const long long rows_q = p.seqlen_q - m0;
     const long long head = max(p.head_dim, p.head_dim_v);

@@ -68,10 +68,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
     const int off = seqlen_k - seqlen_q;
     const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
-    int n_lo = 0, n_hi = seqlen_k;
-    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = (int)min((long long)n_hi, m_last + off + p.window_right + 1);
-    n_lo = n_lo / BLOCK_N * BLOCK_N;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,

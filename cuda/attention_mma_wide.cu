@@ -201,10 +201,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(cons
     // key tiles that the causal/window band reaches from rows m0 .. m_last
     const long long off = p.seqlen_k - p.seqlen_q;
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    long long n_lo = 0, n_hi = p.seqlen_k;
-    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
-    n_lo = n_lo / BLOCK_N * BLOCK_N;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int stage) {
         load_tile_wide<BLOCK_N, HEAD_DIM, QP, THREADS, ALIGNED>(

@@ -175,10 +175,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     // outside it are skipped entirely.
     const long long off = p.seqlen_k - p.seqlen_q;
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    long long n_lo = 0, n_hi = p.seqlen_k;
-    if (p.window_left >= 0) n_lo = max(0LL, m0 + off - p.window_left);
-    if (p.window_right >= 0) n_hi = min(n_hi, m_last + off + p.window_right + 1);
-    n_lo = n_lo / BLOCK_N * BLOCK_N;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
 
     const long long rows_q = p.seqlen_q - m0;
     const int num_d_chunks = (int)((p.head_dim + D_TILE - 1) / D_TILE);

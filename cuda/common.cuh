@@ -127,6 +127,30 @@ __device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
             rest / num_col_tiles};
 }
 
+// The reach of the causal/window band in whole tiles. key_band: the keys [lo, hi) that query
+// rows first .. last reach (lo rounded down to a multiple of tile, so key tiles start on tile
+// boundaries); query_band: its transpose, the query rows [lo, hi) that reach keys
+// first .. last. Tiles outside are skipped; in_window below decides element by element.
+struct Range {
+    long long lo, hi;
+};
+__device__ __forceinline__ Range key_band(const AttnParams& p, long long first, long long last,
+                                          int tile) {
+    const long long off = p.seqlen_k - p.seqlen_q;
+    long long lo = 0, hi = p.seqlen_k;
+    if (p.window_left >= 0) lo = max(0LL, first + off - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, last + off + p.window_right + 1);
+    return {lo / tile * tile, hi};
+}
+__device__ __forceinline__ Range query_band(const AttnParams& p, long long first,
+                                            long long last, int tile) {
+    const long long off = p.seqlen_k - p.seqlen_q;
+    long long lo = 0, hi = p.seqlen_q;
+    if (p.window_right >= 0) lo = max(0LL, first - off - p.window_right);
+    if (p.window_left >= 0) hi = min(hi, last - off + p.window_left + 1);
+    return {lo / tile * tile, hi};
+}
+
 // Is key column j allowed for query row i under causal/window? off = seqlen_k - seqlen_q
 // aligns the band to the bottom-right corner (API.md, semantics step 4).
 __device__ __forceinline__ bool in_window(long long i, long long j, long long off,
