@@ -53,6 +53,37 @@ def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
             assert choice.family == "mma_f32" and choice.shared_mem <= gpu[1]
 
 
+def test_portable_pipeline_and_16_byte_copies():
+    def expr(dtype, head, aligned, gpu=H200):
+        cc, smem = gpu
+        precision = "highest" if dtype == F32 else None
+        return d._choose(dtype, head, head, None, False, aligned, cc, smem, "portable", None,
+                         precision).name_expression
+    # float32/float64 with the head dim in one chunk: cp.async pipeline, 16-byte copies when
+    # the rows are aligned, element copies otherwise
+    assert expr(F32, 128, True).endswith(", 1, true, true>")
+    assert expr(F32, 128, False).endswith(", 1, true, false>")
+    assert expr(F64, 64, True).endswith(", true, true>")
+    # 16-bit inputs convert on load, and Q beyond one chunk is not pipelined
+    assert expr(F16, 128, True).endswith(", false, false>")
+    assert expr(F32, 512, True).endswith(", false, false>")
+    # before sm_80 there is no cp.async
+    assert expr(F32, 64, True, gpu=((7, 5), 65536)).endswith(", false, false>")
+    # the H200 gets the swept 128x64 (D128) and 128x128 (D64) float32 tiles
+    assert "attention_fwd_portable<float, cuattn::NoBias, false, 128, 64, 128, 128," in \
+        expr(F32, 128, True)
+    assert "attention_fwd_portable<float, cuattn::NoBias, false, 128, 128, 64, 64," in \
+        expr(F32, 64, True)
+
+
+def test_families_serve_their_compute_capabilities():
+    f64 = next(f for f in d.FAMILIES if f.name == "mma_f64")
+    assert f64.serves((8, 0)) and f64.serves((9, 0)) and f64.serves((10, 0))
+    assert not f64.serves((8, 6)) and not f64.serves((8, 9)) and not f64.serves((12, 0))
+    mma = next(f for f in d.FAMILIES if f.name == "mma")
+    assert mma.serves((8, 6)) and mma.serves((12, 0)) and not mma.serves((7, 5))
+
+
 def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
     choice = forward(F64, 40)
     assert ("attention_fwd_mma_wide<double, cuattn::NoBias, false, 64, 64,"
