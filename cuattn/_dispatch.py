@@ -42,6 +42,13 @@ class Family:
     def serves(self, cc: tuple[int, int]) -> bool:
         return cc >= self.min_cc and (self.archs is None or cc in self.archs)
 
+    def accepts(self, cc: tuple[int, int], dtype, head: int, precision=None) -> bool:
+        """Does this family serve dtype with largest head dim ``head`` (and, for float32,
+        ``precision``) on compute capability cc?"""
+        return (self.serves(cc) and np.dtype(dtype).name in self.dtypes
+                and head <= self.max_head_dim
+                and (self.precisions is None or precision in self.precisions))
+
 
 #: Attention families, most preferred first. A call takes the first row whose compute
 #: capability, dtype, precision and head dims it meets.
@@ -303,16 +310,30 @@ def _mma_wide(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtyp
                         threads=tiles.block_m // 16 * 32)
 
 
+def _forced_family(kernel: str | None, families, absent: str) -> str | None:
+    """The family forced by ``kernel`` or CUATTN_KERNEL (None: dispatch chooses); a name
+    that ``families`` lacks raises NotImplementedError with ``absent`` in the message."""
+    forced = kernel or os.environ.get("CUATTN_KERNEL") or None
+    names = [f.name for f in families]
+    if forced is not None and forced not in names:
+        raise NotImplementedError(f"kernel family {forced!r} {absent}; "
+                                  f"available: {', '.join(names)}")
+    return forced
+
+
+def _no_family(what: str, call, cc: tuple[int, int], forced: str | None):
+    return NotImplementedError(
+        f"no {what} serves {call.dtype} with head dims ({call.head_dim}, "
+        f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
+        + (f" (forced: {forced!r})" if forced else ""))
+
+
 def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                    kernel: str | None = None, tiles: Tiles | None = None):
     """The kernel instance that serves a validated forward call on a GPU of capability cc
     with ``smem_limit`` bytes of shared memory per block (after opt-in). ``tiles``
     overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py)."""
-    forced = kernel or os.environ.get("CUATTN_KERNEL") or None
-    names = [f.name for f in FAMILIES]
-    if forced is not None and forced not in names:
-        raise NotImplementedError(f"kernel family {forced!r} is not in this build; "
-                                  f"available: {', '.join(names)}")
+    forced = _forced_family(kernel, FAMILIES, "is not in this build")
     bias_dtype = None if call.bias is None else call.bias.dtype
     aligned = mma_aligned(call)
     choice = _choose(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
@@ -320,10 +341,7 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      call.precision)
     if choice is not None:
         return choice
-    raise NotImplementedError(
-        f"no kernel family serves {call.dtype} with head dims ({call.head_dim}, "
-        f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
-        + (f" (forced: {forced!r})" if forced else ""))
+    raise _no_family("kernel family", call, cc, forced)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -333,9 +351,7 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
     for family in FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if not (family.serves(cc) and dtype.name in family.dtypes
-                and max(head_dim, head_dim_v) <= family.max_head_dim
-                and (family.precisions is None or precision in family.precisions)):
+        if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
@@ -517,11 +533,7 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
     types the kernels write (dK and dV, dQ): the input dtype, or the accumulator type for a
     gradient that is summed over broadcast axes afterwards. ``tiles`` overrides the table."""
-    forced = kernel or os.environ.get("CUATTN_KERNEL") or None
-    names = [f.name for f in BACKWARD_FAMILIES]
-    if forced is not None and forced not in names:
-        raise NotImplementedError(f"kernel family {forced!r} has no backward in this build; "
-                                  f"available: {', '.join(names)}")
+    forced = _forced_family(kernel, BACKWARD_FAMILIES, "has no backward in this build")
     bias_dtype = None if call.bias is None else call.bias.dtype
     aligned = mma_aligned(call) and _aligned(dout)
     choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
@@ -529,10 +541,7 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                               aligned, cc, smem_limit, forced, tiles)
     if choice is not None:
         return choice
-    raise NotImplementedError(
-        f"no backward kernel family serves {call.dtype} with head dims ({call.head_dim}, "
-        f"{call.head_dim_v}) on compute capability {cc[0]}.{cc[1]}"
-        + (f" (forced: {forced!r})" if forced else ""))
+    raise _no_family("backward kernel family", call, cc, forced)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -541,8 +550,7 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
     for family in BACKWARD_FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if not (family.serves(cc) and dtype.name in family.dtypes
-                and max(head_dim, head_dim_v) <= family.max_head_dim):
+        if not family.accepts(cc, dtype, max(head_dim, head_dim_v)):
             continue
         if family.name == "mma":
             return _mma_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,

@@ -33,13 +33,13 @@ def run_check(quick: bool = False) -> int:
     except Exception:  # noqa: BLE001
         print("check runs the CUDA kernels and needs a GPU")
         return 2
-    from .attention import _attention
+    from .attention import _attention, _device_limits
     shapes = [(113, 203, 64), (257, 100, 128)] if quick else \
         [(1, 17, 32), (113, 203, 64), (257, 100, 128), (77, 77, 256), (40, 30, 1000)]
     failures, t0 = 0, time.perf_counter()
     print(f"{'family':9s} {'dtype':9s} {'feature':8s} {'shape':14s} {'max error':>10s} "
           f"{'bound':>10s}  result")
-    cc = divmod(int(cupy.cuda.Device().compute_capability), 10)
+    cc, _ = _device_limits(cupy.cuda.Device().id)
     for family in FAMILIES:
         if not family.serves(cc):
             print(f"{family.name:9s} not on compute capability {cc[0]}.{cc[1]}: {family.reason}")

@@ -6,17 +6,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, poison, to_host
+from _gpu_matrix import combos, shape_params
+from _gpu_matrix import cupy as _cp
+from _gpu_matrix import rand as _rand
 
 from cuattn._dispatch import FAMILIES
 from cuattn.attention import _attention
 from cuattn.reference import attention_reference, naive_attention
 
 pytestmark = pytest.mark.gpu
-DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 FAMILY_NAMES = [f.name for f in FAMILIES]
-# every (family, dtype) that the dispatch table says the family serves
-COMBOS = [pytest.param(f.name, d, id=f"{f.name}-{np.dtype(d).name}")
-          for f in FAMILIES for d in DTYPES if np.dtype(d).name in f.dtypes]
+COMBOS = combos(FAMILIES)
 MAX_HEAD = {f.name: f.max_head_dim for f in FAMILIES}
 
 
@@ -31,16 +31,6 @@ def _dtype_for(family):
     feature-agnostic tests."""
     dtypes = next(f.dtypes for f in FAMILIES if f.name == family)
     return next(d for d in (np.float32, np.float16, np.float64) if np.dtype(d).name in dtypes)
-SHAPES = [  # (Sq, Sk, D, Dv)
-    (1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
-    (1023, 1025, 128, 128), (1025, 1023, 64, 64), (130, 70, 256, 256), (33, 65, 512, 512),
-    (40, 50, 64, 24),
-]
-
-
-def _cp():
-    import cupy
-    return cupy
 
 
 def _run(family, q, k, v, **kw):
@@ -65,13 +55,7 @@ def _check(family, q, k, v, **kw):
     np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
 
 
-def _rand(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-@pytest.mark.parametrize("family,dtype,shape", [
-    pytest.param(*c.values, s, id=f"{c.id}-{'x'.join(map(str, s))}")
-    for c in COMBOS for s in SHAPES if max(s[2:]) <= MAX_HEAD[c.values[0]]])
+@pytest.mark.parametrize("family,dtype,shape", shape_params(FAMILIES))
 def test_shapes(family, dtype, shape):
     sq, sk, d, dv = shape
     rng = np.random.default_rng(sq * 7 + sk)

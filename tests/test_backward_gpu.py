@@ -4,10 +4,12 @@ float64 finite differences, determinism, broadcasting reductions and every mask 
 Outputs are poisoned: before each backward the memory pool is handed NaN-filled blocks of
 the gradients' sizes, so an element that a kernel fails to write shows up as NaN.
 """
-import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, to_host
+from _gpu_matrix import combos, shape_params
+from _gpu_matrix import cupy as _cp
+from _gpu_matrix import rand as _rand
 
 import cuattn
 from cuattn._dispatch import BACKWARD_FAMILIES
@@ -15,20 +17,7 @@ from cuattn.attention import _attention_backward
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
 pytestmark = pytest.mark.gpu
-DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-COMBOS = [pytest.param(f.name, d, id=f"{f.name}-{np.dtype(d).name}")
-          for f in BACKWARD_FAMILIES for d in DTYPES if np.dtype(d).name in f.dtypes]
-MAX_HEAD = {f.name: f.max_head_dim for f in BACKWARD_FAMILIES}
-SHAPES = [  # (Sq, Sk, D, Dv)
-    (1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
-    (1023, 1025, 128, 128), (1025, 1023, 64, 64), (130, 70, 256, 256), (33, 65, 512, 512),
-    (40, 50, 64, 24),
-]
-
-
-def _cp():
-    import cupy
-    return cupy
+COMBOS = combos(BACKWARD_FAMILIES)
 
 
 def _poison_pool(*shapes_and_dtypes):
@@ -67,13 +56,7 @@ def _check(family, q, k, v, rng, **kw):
     return got
 
 
-def _rand(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-@pytest.mark.parametrize("family,dtype,shape", [
-    pytest.param(*c.values, s, id=f"{c.id}-{'x'.join(map(str, s))}")
-    for c in COMBOS for s in SHAPES if max(s[2:]) <= MAX_HEAD[c.values[0]]])
+@pytest.mark.parametrize("family,dtype,shape", shape_params(BACKWARD_FAMILIES))
 def test_shapes(family, dtype, shape):
     sq, sk, d, dv = shape
     rng = np.random.default_rng(sq * 7 + sk)
