@@ -277,17 +277,19 @@ MMA_F32_TILES = (
 #: TFLOP/s on the H200, non-causal / causal, tools/sweep_tiles.py --f64.
 MMA_F64_TILES = (
     (64, (MmaTiles(64, 32), MmaTiles(32, 32), MmaTiles(32, 16)),
-     "B1 H16 S4096: 64x32 (2 blocks/SM) 28.4 / 22.5, 128x32 29.0 / 21.5, 64x16 24.2 / 18.3, "
-     "64x64 20.4 / 17.5, 32x32 18.3 / 14.6"),
+     "B1 H16 S4096, kernel v3 (copy-free operands, one-pass loader): 64x32 (2 blocks/SM) "
+     "31.5 / 29.9; m16n8k16 steps 29.7 / 29.6 and 128x32 with them 32.4 / 29.3, within the "
+     "run-to-run spread (k16 dropped); v1: 64x64 20.4 / 17.5, 32x32 18.3 / 14.6"),
     (128, (MmaTiles(128, 16), MmaTiles(64, 16), MmaTiles(32, 16)),
-     "B1 H16 S4096: 128x16 32.1 / 24.5, 64x16 21.2 / 18.9, 32x16 19.8 / 16.1; 64x32 spills "
-     "28 bytes on sm_90"),
+     "B1 H16 S4096, v3: 128x16 34.6 / 33.9 (k16 steps 34.8 / 33.7), 64x16 25.4 / 24.5; "
+     "v1: 64x32 spills 28 bytes on sm_90"),
 )
 
 
 def mma_wide_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int) -> int:
     """Dynamic shared memory of attention_fwd_mma_wide (see the .cu header)."""
-    return (tiles.block_m * (head_dim + 8) + 2 * tiles.block_n * (head_dim + 8)
+    q_pair_pitch = 2 * head_dim + (2 if itemsize == 8 else 16)
+    return (tiles.block_m // 2 * q_pair_pitch + 2 * tiles.block_n * (head_dim + 8)
             + 2 * tiles.block_n * (head_dim_v + 16 // itemsize)) * itemsize
 
 
@@ -303,11 +305,12 @@ def _mma_wide(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtyp
         candidates, lambda t: mma_wide_smem_bytes(t, hd, hdv, call_dtype.itemsize),
         smem_limit, family, f"head dims {head_dim}, {head_dim_v}")
     expr = (f"attention_fwd_mma_wide<{c_type_name(call_dtype)}, {_bias_type(bias_dtype)}, "
-            f"{str(has_mask).lower()}, {hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 16}, "
+            f"{str(has_mask).lower()}, {hd}, {hdv}, {tiles.block_n}, {tiles.num_warps}, "
+            f"{tiles.m_tiles}, {tiles.min_blocks}, "
             f"{str(aligned).lower()}>")
     return KernelChoice(family, "attention_mma_wide.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.block_m // 16 * 32)
+                        threads=tiles.num_warps * 32)
 
 
 def _forced_family(kernel: str | None, families, absent: str) -> str | None:

@@ -112,17 +112,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
     load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                   p.head_dim);
+                                                   p.head_dim, Swizzled<HEAD_DIM>());
     load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
-                                                     p.seqlen_k - n0, p.head_dim_v);
+                                                     p.seqlen_k - n0, p.head_dim_v,
+                                                     Swizzled<HEAD_DIM_V>());
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
     auto request_q = [&](long long m0, int st) {
         load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                       p.head_dim);
+                                                       p.head_dim, Swizzled<HEAD_DIM>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
             do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
-            p.seqlen_q - m0, p.head_dim_v);
+            p.seqlen_q - m0, p.head_dim_v, Swizzled<HEAD_DIM_V>());
         for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
             const long long r = m0 + i;
             lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
@@ -244,15 +245,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     auto request_kv = [&](long long n0, int st) {
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim);
+                                                       p.head_dim, Swizzled<HEAD_DIM>());
         load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
                                                          p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v);
+                                                         p.head_dim_v, Swizzled<HEAD_DIM_V>());
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                   p.head_dim);
+                                                   p.head_dim, Swizzled<HEAD_DIM>());
     load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
-                                                     p.seqlen_q - m0, p.head_dim_v);
+                                                     p.seqlen_q - m0, p.head_dim_v,
+                                                     Swizzled<HEAD_DIM_V>());
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 

@@ -85,84 +85,105 @@ __device__ __forceinline__ void mma_k8(double (&d)[4], double a0, double a1, dou
 #endif
 }
 
-// Two adjacent elements of T from shared memory (8 bytes for float, 16 for double)
+// N adjacent elements of T from shared memory (N even), in 8-byte (float) or 16-byte
+// (double) vector loads.
 template <typename T> struct Pair;
 template <> struct Pair<float> { using type = float2; };
 template <> struct Pair<double> { using type = double2; };
-template <typename T>
-__device__ __forceinline__ typename Pair<T>::type load_pair(const T* p) {
-    return *reinterpret_cast<const typename Pair<T>::type*>(p);
-}
-
-// Copy ROWS x COLS elements of a strided tensor into shared memory with row pitch PITCH;
-// rows >= nrows and columns >= ncols become 0. ALIGNED: 16-byte cp.async chunks
-// (ncols is a multiple of a chunk, so chunks are all or nothing); otherwise synchronous
-// element loads.
-template <int ROWS, int COLS, int PITCH, int THREADS, bool ALIGNED, typename T>
-__device__ __forceinline__ void load_tile_wide(T* dst, const T* src, long long row_stride,
-                                               long long col_stride, long long nrows,
-                                               long long ncols) {
-    constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
-        T* d = dst + r * PITCH + c;
-        if constexpr (ALIGNED) {
-            const bool ok = r < nrows && c < ncols;
-            const T* s = ok ? src + r * row_stride + c : src;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(d)),
-                         "l"(s), "r"(ok ? 16 : 0));
-        } else {
+template <int N, typename T>
+__device__ __forceinline__ void load_run(T (&r)[N], const T* p) {
 #pragma unroll
-            for (int e = 0; e < CHUNK; ++e) {
-                const bool ok = r < nrows && c + e < ncols;
-                d[e] = ok ? src[r * row_stride + (c + e) * col_stride] : T(0);
-            }
-        }
+    for (int c = 0; c < N; c += 2) {
+        const auto v = *reinterpret_cast<const typename Pair<T>::type*>(p + c);
+        r[c] = v.x;
+        r[c + 1] = v.y;
     }
 }
 
-// S (16 x BLOCK_N) = Q K^T for the warp's rows: A from Q rows g, g+8; B from K rows
-// 8j + g; inside each k8 step lane t reads columns k0 + 2t, k0 + 2t + 1 of both.
-template <int HEAD_DIM, int BLOCK_N, typename T>
-__device__ __forceinline__ void scores_wide(T (&s)[BLOCK_N / 8][4], const T* q_w,
+// One m16n8k8 step with operands in register order: a[2e + h] is row g + 8h and b[e]
+// column g, both at the lane's e-th contraction index (e = 0, 1; the same k for both: which
+// k that is does not matter as long as A and B agree). Operands that sit in this order in
+// shared memory or in registers reach the instruction without copies: ptxas copies a DMMA
+// A group for every instruction when its elements come from different loads
+// (docs/kernels.rst).
+template <typename T>
+__device__ __forceinline__ void mma_step(T (&d)[4], const T (&a)[4], const T (&b)[2]) {
+    mma_k8(d, operand(a[0]), operand(a[1]), operand(a[2]), operand(a[3]), operand(b[0]),
+           operand(b[1]));
+}
+
+// Q in "row pairs": rows g and g + 8 of each 16-row tile interleaved element by element,
+// pair row (tile, g) holding Q[16 tile + g][c] at 2c and Q[16 tile + g + 8][c] at 2c + 1,
+// pitch QP2. A lane's A operand of one k8 step (rows g, g+8 at columns 2t, 2t+1) is then
+// four adjacent elements in register order. Loaded once per block, by plain loads.
+template <int ROWS, int COLS, int QP2, int THREADS, typename T>
+__device__ __forceinline__ void load_q_pairs(T* dst, const T* src, long long row_stride,
+                                             long long col_stride, long long nrows,
+                                             long long ncols) {
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+        const int r = idx / COLS, c = idx % COLS;
+        const int pair_row = (r / 16) * 8 + r % 8, h = (r % 16) / 8;
+        dst[pair_row * QP2 + 2 * c + h] =
+            r < nrows && c < ncols ? src[r * row_stride + c * col_stride] : T(0);
+    }
+}
+
+// S (M_TILES x 16 x BLOCK_N) = Q K^T for the warp's rows: A from the Q pair rows of tile i;
+// B from K rows 8j + g (pitch KP). The lane's contraction indices in the step at k0 are
+// k0 + 2t and k0 + 2t + 1, for A and B alike. Each K fragment feeds M_TILES steps.
+template <int HEAD_DIM, int BLOCK_N, int M_TILES, int QP2, int KP, typename T>
+__device__ __forceinline__ void scores_wide(T (&s)[M_TILES][BLOCK_N / 8][4], const T* q_w,
                                             const T* k_s, int lane) {
-    constexpr int QP = HEAD_DIM + 8;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
+    for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = T(0);
-#pragma unroll 2
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][j][e] = T(0);
+    const T* q_lane = q_w + g * QP2 + 4 * t;
+    const T* k_lane = k_s + g * KP + 2 * t;
+#pragma unroll(M_TILES == 1 ? 2 : 1)
     for (int k0 = 0; k0 < HEAD_DIM; k0 += 8) {
-        const auto q0 = load_pair(q_w + g * QP + k0 + 2 * t);
-        const auto q1 = load_pair(q_w + (g + 8) * QP + k0 + 2 * t);
-        const auto a0 = operand(q0.x), a1 = operand(q1.x), a2 = operand(q0.y),
-                   a3 = operand(q1.y);
+        T a[M_TILES][4];
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) load_run(a[i], q_lane + i * 8 * QP2 + 2 * k0);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) {
-            const auto kv = load_pair(k_s + (8 * j + g) * QP + k0 + 2 * t);
-            mma_k8(s[j], a0, a1, a2, a3, operand(kv.x), operand(kv.y));
+            T b[2];
+            load_run(b, k_lane + 8 * j * KP + k0);
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i) mma_step(s[i][j], a[i], b);
         }
     }
 }
 
-// O (16 x HEAD_DIM_V) += P V: P's accumulator columns (2t, 2t+1) of key tile j are A's
-// k = (t, t+4); B takes V rows 8j + 2t, 8j + 2t + 1 at column 8d + g.
-template <int BLOCK_N, int HEAD_DIM_V, typename T>
-__device__ __forceinline__ void accumulate_pv_wide(T (&o)[HEAD_DIM_V / 8][4],
-                                                   const T (&s)[BLOCK_N / 8][4],
+// O (M_TILES x 16 x HEAD_DIM_V) += P V over the tile's keys, 8 per step. The lane's
+// contraction indices in key tile j are keys 8j + 2t and 8j + 2t + 1: the S accumulator
+// columns 2t, 2t+1 (A straight from registers), and B takes V rows of the same keys at
+// column 8d + g. Each V fragment feeds M_TILES steps.
+template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
+__device__ __forceinline__ void accumulate_pv_wide(T (&o)[M_TILES][HEAD_DIM_V / 8][4],
+                                                   const T (&s)[M_TILES][BLOCK_N / 8][4],
                                                    const T* v_s, int lane) {
     constexpr int VP = HEAD_DIM_V + 16 / sizeof(T);
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j) {
-        const auto a0 = operand(s[j][0]), a1 = operand(s[j][2]), a2 = operand(s[j][1]),
-                   a3 = operand(s[j][3]);
+        T a[M_TILES][4];  // register order: rows g, g+8 of key 2t, then of key 2t + 1
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+            a[i][0] = s[i][j][0];
+            a[i][1] = s[i][j][2];
+            a[i][2] = s[i][j][1];
+            a[i][3] = s[i][j][3];
+        }
         const T* v0 = v_s + (8 * j + 2 * t) * VP + g;
 #pragma unroll
         for (int d = 0; d < HEAD_DIM_V / 8; ++d) {
-            mma_k8(o[d], a0, a1, a2, a3, operand(v0[8 * d]), operand(v0[VP + 8 * d]));
+            const T b[2] = {v0[8 * d], v0[VP + 8 * d]};
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i) mma_step(o[i][d], a[i], b);
         }
     }
 }
@@ -170,17 +191,21 @@ __device__ __forceinline__ void accumulate_pv_wide(T (&o)[HEAD_DIM_V / 8][4],
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, bool ALIGNED>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(const AttnParams p) {
-    constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
-    constexpr int QP = HEAD_DIM + 8, VP = HEAD_DIM_V + 16 / sizeof(T), DV_TILES = HEAD_DIM_V / 8;
+          int NUM_WARPS, int M_TILES, int MIN_BLOCKS, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
+    attention_fwd_mma_wide(const AttnParams p) {
+    constexpr int THREADS = NUM_WARPS * 32, WARP_ROWS = 16 * M_TILES;
+    constexpr int BLOCK_M = WARP_ROWS * NUM_WARPS, DV_TILES = HEAD_DIM_V / 8;
+    // pitches: Q pair rows (module header), K rows, V rows
+    constexpr int QP2 = 2 * HEAD_DIM + (sizeof(T) == 8 ? 2 : 16), KP = HEAD_DIM + 8;
+    constexpr int VP = HEAD_DIM_V + 16 / sizeof(T);
     static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0 && BLOCK_N % 8 == 0,
                   "head dims are padded to multiples of 32, key tiles to multiples of 8");
-    constexpr int K_ELEMS = BLOCK_N * QP, V_ELEMS = BLOCK_N * VP;
+    constexpr int K_ELEMS = BLOCK_N * KP, V_ELEMS = BLOCK_N * VP;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M][QP]
-    T* k_s = q_s + BLOCK_M * QP;              // [2][BLOCK_N][QP]
+    T* q_s = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M / 2][QP2]
+    T* k_s = q_s + BLOCK_M / 2 * QP2;         // [2][BLOCK_N][KP]
     T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -205,24 +230,29 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(cons
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int stage) {
-        load_tile_wide<BLOCK_N, HEAD_DIM, QP, THREADS, ALIGNED>(
-            k_s + stage * K_ELEMS, k + n0 * p.k_s.row, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-            p.head_dim);
-        load_tile_wide<BLOCK_N, HEAD_DIM_V, VP, THREADS, ALIGNED>(
-            v_s + stage * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-            p.head_dim_v);
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim, Pitched<KP>());
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
+                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v, Pitched<VP>());
     };
-    load_tile_wide<BLOCK_M, HEAD_DIM, QP, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col,
-                                                           p.seqlen_q - m0, p.head_dim);
+    load_q_pairs<BLOCK_M, HEAD_DIM, QP2, THREADS>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                  p.head_dim);
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
-    T o[DV_TILES][4], m[2] = {neg_inf<T>(), neg_inf<T>()}, l[2] = {T(0), T(0)};
+    T o[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
 #pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
+    for (int i = 0; i < M_TILES; ++i) {
+        m[i][0] = m[i][1] = neg_inf<T>();
+        l[i][0] = l[i][1] = T(0);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = T(0);
-    const T* q_w = q_s + warp * 16 * QP;
+        for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[i][d][e] = T(0);
+    }
+    const T* q_w = q_s + warp * WARP_ROWS / 2 * QP2;
 
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -230,14 +260,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(cons
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued have landed ...
         __syncthreads();     // ... for every thread: Q (first time), this tile's K and V
-        T s[BLOCK_N / 8][4];
-        scores_wide<HEAD_DIM, BLOCK_N>(s, q_w, k_s + stage * K_ELEMS, lane);
+        T s[M_TILES][BLOCK_N / 8][4];
+        scores_wide<HEAD_DIM, BLOCK_N, M_TILES, QP2, KP>(s, q_w, k_s + stage * K_ELEMS, lane);
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
-        mask_scores<BLOCK_N, HAS_MASK>(s, p, m0 + warp * 16, n0, lane, interior, mask, bias);
-        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o);
-        accumulate_pv_wide<BLOCK_N, HEAD_DIM_V>(o, s, v_s + stage * V_ELEMS, lane);
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+            mask_scores<BLOCK_N, HAS_MASK>(s[i], p, m0 + warp * WARP_ROWS + 16 * i, n0, lane,
+                                           interior, mask, bias);
+            update_row_state<BLOCK_N, DV_TILES>(s[i], m[i], l[i], o[i]);
+        }
+        accumulate_pv_wide<BLOCK_N, HEAD_DIM_V, M_TILES>(o, s, v_s + stage * V_ELEMS, lane);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
@@ -245,23 +279,27 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) attention_fwd_mma_wide(cons
     // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        T row_l = l[h];
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
-        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
-        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
-        const T inv_l = row_l == T(0) ? T(0) : T(1) / row_l;
-        T* out_row = out + r * p.out_s.row;
+    for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int d = 0; d < DV_TILES; ++d) {
-            const long long c = 8 * d + 2 * (lane % 4);
-            if (c < p.head_dim_v) out_row[c * p.out_s.col] = o[d][2 * h] * inv_l;
-            if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = o[d][2 * h + 1] * inv_l;
+        for (int h = 0; h < 2; ++h) {
+            T row_l = l[i][h];
+            row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
+            row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+            const long long r = m0 + warp * WARP_ROWS + 16 * i + lane / 4 + 8 * h;
+            if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+            const T inv_l = row_l == T(0) ? T(0) : T(1) / row_l;
+            T* out_row = out + r * p.out_s.row;
+#pragma unroll
+            for (int d = 0; d < DV_TILES; ++d) {
+                const long long c = 8 * d + 2 * (lane % 4);
+                if (c < p.head_dim_v) out_row[c * p.out_s.col] = o[i][d][2 * h] * inv_l;
+                if (c + 1 < p.head_dim_v)
+                    out_row[(c + 1) * p.out_s.col] = o[i][d][2 * h + 1] * inv_l;
+            }
+            if (p.lse && lane % 4 == 0) {
+                T* lse = reinterpret_cast<T*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+                lse[r * p.lse_s.row] =
+                    row_l == T(0) ? neg_inf<T>() : m[i][h] * T(LN2) + log_acc(row_l);
+            }
         }
-        if (p.lse && lane % 4 == 0) {
-            T* lse = reinterpret_cast<T*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = row_l == T(0) ? neg_inf<T>() : m[h] * T(LN2) + log_acc(row_l);
-        }
-    }
 }

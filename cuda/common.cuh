@@ -34,7 +34,34 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(flo
 }
 
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
-__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+// exp2 for double on the attention domain x <= 1023 (softmax arguments are <= 0 up to
+// rounding): 2^x = 2^n 2^r with n = rint(x), |r| <= 1/2, and 2^r from its degree-13 Taylor
+// polynomial (under 1 ulp), with no branches. x < -1022 gives 0 (the true value is below
+// 2^-1022, nothing next to a row maximum of 1); NaN stays NaN; -inf gives 0. CUDA's
+// exp2(double) also serves large |x| through a slow path whose branches every softmax
+// element paid for (docs/kernels.rst).
+__device__ __forceinline__ double fast_exp2(double x) {
+    constexpr double ROUND = 0x1.8p52;  // x + ROUND rounds x (|x| < 2^51) to an integer
+    const double t = x + ROUND;
+    const double r = x - (t - ROUND);
+    const int n = __double2loint(t);  // the integer, in the low word of t
+    double p = 0x1.816193166d0f9p-40;  // (ln 2)^k / k!, k = 13 .. 0
+    p = fma(p, r, 0x1.c3bd650fc2986p-36);
+    p = fma(p, r, 0x1.e8cac7351bb25p-32);
+    p = fma(p, r, 0x1.e4cf5158b8ecap-28);
+    p = fma(p, r, 0x1.b5253d395e7c4p-24);
+    p = fma(p, r, 0x1.62c0223a5c824p-20);
+    p = fma(p, r, 0x1.ffcbfc588b0c7p-17);
+    p = fma(p, r, 0x1.430912f86c787p-13);
+    p = fma(p, r, 0x1.5d87fe78a6731p-10);
+    p = fma(p, r, 0x1.3b2ab6fba4e77p-7);
+    p = fma(p, r, 0x1.c6b08d704a0c0p-5);
+    p = fma(p, r, 0x1.ebfbdff82c58fp-3);
+    p = fma(p, r, 0x1.62e42fefa39efp-1);
+    p = fma(p, r, 1.0);
+    const double two_n = __hiloint2double((n + 1023) << 20, 0);
+    return x < -1022.0 ? 0.0 : p * two_n;
+}
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }

@@ -71,26 +71,50 @@ __device__ __forceinline__ int swizzle(int row, int col) {
     return row * COLS + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
 }
 
-// Copy ROWS x COLS elements of a strided tensor into a swizzled shared tile; rows >= nrows
-// and columns >= ncols become 0. ALIGNED: 16-byte cp.async chunks (finish with
-// cp_async_wait); otherwise synchronous element loads.
-template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T>
+// Shared-memory layouts of a copied tile: element offset of (row, col).
+template <int COLS> struct Swizzled {  // the 16-bit operand tiles read by ldmatrix
+    __device__ __forceinline__ int operator()(int row, int col) const { return swizzle<COLS>(row, col); }
+};
+template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attention_mma_wide.cu)
+    __device__ __forceinline__ int operator()(int row, int col) const { return row * PITCH + col; }
+};
+
+// Copy ROWS x COLS elements of a strided tensor into a shared tile laid out by `at`; rows >=
+// nrows and columns >= ncols become 0. ALIGNED (unit column stride, 16-byte aligned rows,
+// ncols a multiple of a chunk, so chunks are all or nothing): 16-byte cp.async chunks, finish
+// with cp_async_wait. A thread's chunks sit in one column c, rows r0 + i * ROW_STEP: one
+// pointer step, one compare and one cp.async each, the destination an immediate offset.
+// Otherwise synchronous element loads.
+template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
                                           long long col_stride, long long nrows,
-                                          long long ncols) {
-    constexpr int CHUNKS = COLS / 8;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        T* d = dst + swizzle<COLS>(r, c);
-        if constexpr (ALIGNED) {
-            const bool ok = r < nrows && c < ncols;  // ncols % 8 == 0: chunks are all or nothing
-            const T* s = ok ? src + r * row_stride + c : src;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(d)),
-                         "l"(s), "r"(ok ? 16 : 0));
-        } else {
+                                          long long ncols, At at) {
+    constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
+    static_assert(COLS % CHUNK == 0 && THREADS % CHUNKS == 0,
+                  "whole 16-byte chunks per row, whole rows per pass of the block");
+    if constexpr (ALIGNED) {
+        constexpr int ROW_STEP = THREADS / CHUNKS;
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
+        const bool col_ok = c < ncols;
+        const int rows = static_cast<int>(nrows < ROWS ? nrows : ROWS);
+        const long long step = ROW_STEP * row_stride;
+        const T* s = src + r0 * row_stride + c;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
+        for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i, s += step) {
+            const int r = r0 + i * ROW_STEP;
+            if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
+            const bool ok = col_ok && r < rows;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                             smem_addr(dst + at(r, c))),
+                         "l"(ok ? s : src), "r"(ok ? 16 : 0));
+        }
+    } else {
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
+            T* d = dst + at(r, c);
+#pragma unroll
+            for (int e = 0; e < CHUNK; ++e) {
                 const bool ok = r < nrows && c + e < ncols;
                 d[e] = ok ? src[r * row_stride + (c + e) * col_stride] : from_acc<T>(0.f);
             }

@@ -92,9 +92,10 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
         for head in (32, 64, 96, 128):
             choice = forward(F64, head, gpu=gpu)
             assert choice.family == "mma_f64" and choice.shared_mem <= gpu[1]
-            # the kernel's pitches: Q and K rows HEAD_DIM + 8, V rows HEAD_DIM_V + 2 doubles
+            # the kernel's pitches: Q pair rows (two rows interleaved) 2 HEAD_DIM + 2, K rows
+            # HEAD_DIM + 8, V rows HEAD_DIM_V + 2 doubles
             t = choice.tiles
-            assert choice.shared_mem == 8 * (t.block_m * (t.d_tile + 8) + 2 * t.block_n * (
+            assert choice.shared_mem == 8 * (t.block_m // 2 * (2 * t.d_tile + 2) + 2 * t.block_n * (
                 t.d_tile + 8) + 2 * t.block_n * (t.dv_tile + 2))
 
 

@@ -4,9 +4,11 @@
     PYTHONPATH=. python tools/sweep_tiles.py float32  # portable family, float32 rows only
     PYTHONPATH=. python tools/sweep_tiles.py --mma    # mma family
     PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
+    PYTHONPATH=. python tools/sweep_tiles.py --f32    # mma_f32 family (float32 "tf32")
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
-cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F64_TILES) with the measured reason.
+cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES) with the
+measured reason.
 """
 import math
 import sys
@@ -34,10 +36,15 @@ MMA_CANDIDATES = {  # MmaTiles(block_m, block_n, m_tiles, min_blocks per SM)
                         MmaTiles(64, 32, 1, 2)],
     ("bfloat16", 256): [MmaTiles(64, 32)],
 }
-F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n): one warp per 16 rows
-    ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 64), MmaTiles(64, 16),
-                      MmaTiles(32, 32)],
-    ("float64", 128): [MmaTiles(64, 16), MmaTiles(32, 16), MmaTiles(128, 16)],
+F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
+    ("float32", 64): [MmaTiles(64, 64), MmaTiles(128, 64, 2), MmaTiles(128, 32, 2),
+                      MmaTiles(64, 32)],
+    ("float32", 128): [MmaTiles(64, 32), MmaTiles(128, 32, 2), MmaTiles(128, 16, 2),
+                       MmaTiles(64, 16)],
+}
+F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
+    ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(32, 32)],
+    ("float64", 128): [MmaTiles(128, 16), MmaTiles(64, 16)],
 }
 
 
@@ -45,7 +52,9 @@ def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
     table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
                      (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
+                     (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
                      (CANDIDATES, "portable"))
+    extra = {"precision": "tf32"} if family == "mma_f32" else {}
     dtypes = [a for a in sys.argv[1:] if not a.startswith("--")]  # e.g. float32: only those
     for (dtype, d), cands in table.items():
         if dtypes and dtype not in dtypes:
@@ -58,7 +67,8 @@ def main():
                 label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(q=q, k=k, v=v, causal=causal, tiles=tiles):
-                        return _attention(q, k, v, causal=causal, tiles=tiles, kernel=family)
+                        return _attention(q, k, v, causal=causal, tiles=tiles, kernel=family,
+                                          **extra)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
