@@ -224,7 +224,9 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
             _trailing_broadcasts(extra.shape, (seqlen_q, seqlen_k), name)
             leading.append(extra.shape[:-2])
     try:
-        batch_shape = tuple(int(n) for n in np.broadcast_shapes(*leading))
+        first = leading[0]
+        batch_shape = (first if all(shape == first for shape in leading) else
+                       tuple(int(n) for n in np.broadcast_shapes(*leading)))
     except ValueError:
         shapes = ", ".join(f"{n}={arrays[n][0].shape}" for n in arrays if n != "out")
         raise ValueError(f"the leading (batch) dims do not broadcast together: {shapes}") from None

@@ -119,12 +119,15 @@ class MmaTiles:
 #: mma family: (largest head dim, candidate tiles in order of preference, measured reason).
 #: Head dims are padded to a multiple of 64 inside the kernel (zero-filled in shared memory).
 MMA_TILES = (
-    (64, (MmaTiles(128, 64, 2), MmaTiles(64, 64)),
-     "H200 bf16 B4 H16 S4096 D64: 128x64 with 2 row tiles per warp 196.8 / 146.6 TFLOP/s "
-     "(non-causal / causal) vs 170.1 / 139.7 for 64x64 with 1; no spills; 64x64 capped at "
-     "3 blocks per SM 168.9 / 140.8"),
+    (64, (MmaTiles(64, 64, 1, 3), MmaTiles(128, 64, 2), MmaTiles(64, 64)),
+     "H200 bf16 B4 H16 S4096 D64, one-pass loader (session 4): 64x64 capped at 3 blocks per "
+     "SM 234.1 / 211.0 TFLOP/s (non-causal / causal), 128x64 with 2 row tiles per warp "
+     "216.3 / 199.6, 64x64 208.5 / 192.5, 64x32 at 3 blocks 188.9 / 170.5; before the "
+     "loader 128x64 led: 196.8 / 146.6 vs 168.9 / 140.8"),
     (128, (MmaTiles(128, 32, 2), MmaTiles(64, 64)),
-     "H200 bf16 D128: 128x32 with 2 row tiles 219.9 / 171.7, spill-free; 128x64 with 2 reaches "
+     "H200 bf16 D128, session 4: 128x32 with 2 row tiles 275.4 / 237.1, 64x32 capped at 3 "
+     "blocks per SM 226.8 / 229.5, at 2 blocks 224.1 / 207.0, 64x16 at 3 163.7 / 166.9. "
+     "Earlier: 128x32 with 2 row tiles 219.9 / 171.7, spill-free; 128x64 with 2 reaches "
      "226.1 / 175.6 but spills 172 B; 64x64 with 1: 189.1 / 163.6; 64x32 with 1 capped at 3 "
      "blocks per SM 185.6 / 158.8"),
     (256, (MmaTiles(64, 32), MmaTiles(64, 16)),
@@ -252,25 +255,32 @@ def mma_aligned(call: AttentionCall) -> bool:
 
 
 def _aligned(x) -> bool:
-    """One array's part of :func:`mma_aligned` (the head dims are the caller's check)."""
-    vec = 16 // x.itemsize
-    strides = [st // x.itemsize for st in x.strides]
-    if x.shape[-1] > 1 and strides[-1] != 1:
+    """One array's part of :func:`mma_aligned` (the head dims are the caller's check):
+    16-byte aligned pointer, unit column stride, other strides multiples of 16 bytes. Plain
+    loops: this runs on every call (PERF.md's host-overhead target)."""
+    if x.data.ptr % 16:
         return False
-    if any(st % vec for st, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
+    shape, strides = x.shape, x.strides
+    if shape[-1] > 1 and strides[-1] != x.itemsize:
         return False
-    return x.data.ptr % 16 == 0
+    for n, st in zip(shape[:-1], strides[:-1]):
+        if n > 1 and st % 16:
+            return False
+    return True
 
 
-#: mma_f32 family: (largest head dim, candidate tiles (m_tiles is 1), reason). Head dims are
-#: padded to multiples of 32. Not swept yet: the candidates follow the shared-memory budget.
+#: mma_f32 family: (largest head dim, candidate tiles, reason). Head dims are padded to
+#: multiples of 32. TFLOP/s of float32 "tf32" on the H200, B4 H16 S4096, non-causal / causal,
+#: tools/sweep_tiles.py --f32.
 MMA_F32_TILES = (
-    (64, (MmaTiles(64, 64), MmaTiles(64, 32), MmaTiles(32, 16)),
-     "first version, not swept: 64x64 needs 87 KB (two blocks per SM on the H200)"),
-    (128, (MmaTiles(64, 32), MmaTiles(64, 16), MmaTiles(32, 16)),
-     "first version, not swept: 64x32 needs 101 KB"),
+    (64, (MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(64, 32), MmaTiles(32, 16)),
+     "128x64 with 2 row tiles per warp (109 KB, 2 blocks/SM) 115.2 / 105.1, 128x32 with 2 "
+     "105.6 / 99.3, 64x64 87.9 / 83.9, 64x32 90.4 / 86.6"),
+    (128, (MmaTiles(64, 32), MmaTiles(128, 16, 2), MmaTiles(64, 16), MmaTiles(32, 16)),
+     "64x32 86.1 / 83.4, 128x16 with 2 row tiles 87.7 / 82.9 (a tie), 64x16 84.2 / 81.2, "
+     "128x32 with 2 73.8 / 67.5"),
     (256, (MmaTiles(64, 32), MmaTiles(32, 16), MmaTiles(32, 8)),
-     "first version, not swept: 64x32 needs 202 KB; the others fit 164 KB and 99 KB"),
+     "not swept: 64x32 needs 202 KB; the others fit 164 KB and 99 KB"),
 )
 
 #: mma_f64 family, as MMA_F32_TILES (double operands: twice the shared memory per tile).

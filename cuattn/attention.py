@@ -210,11 +210,9 @@ def _attention(q, k, v, *, kernel=None, tiles=None, **kwargs):
 def _broadcast_strides(x, shape) -> list[int]:
     """Element strides of ``x`` viewed as broadcast to ``shape`` (0 on broadcast axes),
     computed without making the view."""
-    pad = len(shape) - x.ndim
-    strides = [0] * pad
-    for n, st in zip(x.shape, x.strides):
-        strides.append(0 if n == 1 else st // x.itemsize)
-    return strides
+    itemsize = x.itemsize
+    return [0] * (len(shape) - x.ndim) + [0 if n == 1 else st // itemsize
+                                          for n, st in zip(x.shape, x.strides)]
 
 
 def _collapse_batch(batch_shape, strides_per_array):
@@ -259,13 +257,18 @@ def _layout(batch, tensors):
     for slot, i in enumerate(present):
         strides[5 * i:5 * i + 5] = [g[1][slot] for g in inner] + list(tensors[i][1][nb:])
 
+    base = [0] * len(tensors)
+    for i in present:
+        base[i] = tensors[i][0].data.ptr
+    if not outer:  # the common case: one launch
+        return [g[0] for g in inner], strides, [base]
+
     def pointer_sets():
         for index in np.ndindex(*(g[0] for g in outer)):
-            pointers = [0] * len(tensors)
+            pointers = list(base)
             for slot, i in enumerate(present):
-                x = tensors[i][0]
                 offset = sum(ix * g[1][slot] for ix, g in zip(index, outer))
-                pointers[i] = x.data.ptr + offset * x.itemsize
+                pointers[i] += offset * tensors[i][0].itemsize
             yield pointers
 
     return [g[0] for g in inner], strides, pointer_sets()
