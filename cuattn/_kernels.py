@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
-           "ATTN_PARAMS_DTYPE", "pack_attn_params", "ATTN_BWD_PARAMS_DTYPE",
+           "ATTN_PARAMS_DTYPE", "attn_params", "attn_params_tail", "ATTN_BWD_PARAMS_DTYPE",
            "pack_attn_bwd_params", "c_type_name", "require_cupy"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -172,17 +172,22 @@ ATTN_PARAMS_DTYPE = np.dtype(
     + [("scale", np.float64), ("softcap", np.float64)]
     + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")],
     align=True)
-_ATTN_PARAMS_STRUCT = struct.Struct("<17q2d35q")
-assert _ATTN_PARAMS_STRUCT.size == ATTN_PARAMS_DTYPE.itemsize
+_POINTERS_STRUCT = struct.Struct("<7q")
+_PARAMS_TAIL_STRUCT = struct.Struct("<10q2d35q")
+assert _POINTERS_STRUCT.size + _PARAMS_TAIL_STRUCT.size == ATTN_PARAMS_DTYPE.itemsize
 
 
-def pack_attn_params(ints: list[int], scale: float, softcap: float,
-                     strides: list[int]) -> np.void:
-    """The AttnParams block as one NumPy scalar: ``ints`` are the 17 leading integer fields
-    (pointers to num_dv_tiles, in order), ``strides`` the 35 stride fields (q, k, v, out,
-    lse, mask, bias; b0, b1, b2, row, col each)."""
-    buf = _ATTN_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides)
-    return np.frombuffer(buf, ATTN_PARAMS_DTYPE)[0]
+def attn_params_tail(ints: list[int], scale: float, softcap: float, strides: list[int]) -> bytes:
+    """The AttnParams block after its seven pointers, packed: ``ints`` are the ten integer
+    fields batch1 .. num_dv_tiles. A call signature's launch plan keeps these bytes, and each
+    call adds its pointers (:func:`attn_params`)."""
+    return _PARAMS_TAIL_STRUCT.pack(*ints, scale, softcap, *strides)
+
+
+def attn_params(pointers: list[int], tail: bytes) -> np.void:
+    """The AttnParams block of seven pointers (q, k, v, out, lse, mask, bias) and a packed
+    tail (:func:`attn_params_tail`)."""
+    return np.frombuffer(_POINTERS_STRUCT.pack(*pointers) + tail, ATTN_PARAMS_DTYPE)[0]
 
 
 #: The backward's parameter block, ``AttnBwdParams`` in ``cuda/common.cuh``: the forward's
@@ -199,7 +204,8 @@ assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
 
 def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
                          bwd_ints: list[int], bwd_strides: list[int]) -> np.void:
-    """The AttnBwdParams block: the forward's fields as for :func:`pack_attn_params`, then
+    """The AttnBwdParams block: the forward's 17 integer fields (seven pointers, then the ten of
+    :func:`attn_params_tail`), then
     ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles) and
     ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv)."""
     buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides)

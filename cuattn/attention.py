@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 
 from . import _cpu, _dispatch
 from ._checks import AttentionCall, check_attention, check_backward, lse_dtype
-from ._kernels import get_kernel, pack_attn_bwd_params, pack_attn_params
+from ._kernels import attn_params, attn_params_tail, get_kernel, pack_attn_bwd_params
 from .reference import sum_to_shape
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
@@ -294,26 +295,71 @@ def _sizes(call: AttentionCall, extents, num_m: int, num_dv: int) -> list[int]:
             call.head_dim_v, call.window_left, call.window_right, num_m, num_dv]
 
 
+#: Forward launch plans by call signature (:func:`_plan_key`): kernel, grid, shared memory
+#: and the parameter block without its pointers. A repeated signature skips dispatch, layout
+#: and packing, which is most of the Python time of a call (PERF.md: host overhead).
+_forward_plans: dict = {}
+_MAX_PLANS = 512
+
+
+def _signature(x):
+    return None if x is None else (x.shape, x.strides, x.dtype)
+
+
+def _plan_key(call: AttentionCall, kernel, tiles):
+    """Everything a forward launch plan depends on, pointers aside: shapes, strides and
+    dtypes of every array, the scalar arguments, whether q, k and v start on 16-byte
+    boundaries (the aligned copy path), the device, the forced family and tiles, and the
+    environment variables that choose a family or the kernel sources."""
+    q, k, v = call.q, call.k, call.v
+    return (q.device.id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
+            _signature(call.bias), _signature(call.out), call.scale, call.softcap,
+            call.window_left, call.window_right, call.precision, call.return_lse,
+            (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0, kernel, tiles,
+            os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
+
+
+def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
+    """(kernel, grid, threads, shared memory, parameter tail, launches): the dispatch
+    choice and layout of a call; ``launches`` is None when its batch axes collapse into
+    the kernel's three (one launch, pointers straight from the arrays), else the list of
+    pointer sets of the launches."""
+    cc, smem_limit = _device_limits(call.q.device.id)
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
+    fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
+    extents, strides, pointer_sets = _layout(call.batch_shape, _forward_tensors(call, out, lse))
+    num_m = -(-call.seqlen_q // choice.tiles.block_m)
+    num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
+    grid = (num_m * num_dv * math.prod(extents),)
+    tail = attn_params_tail(_sizes(call, extents, num_m, num_dv), call.scale, call.softcap,
+                            strides)
+    launches = None if isinstance(pointer_sets, list) else list(pointer_sets)
+    return fn, grid, (choice.threads,), choice.shared_mem, tail, launches
+
+
 def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     cupy = call.xp
     with call.q.device:
         out = call.out if call.out is not None else cupy.empty(call.out_shape, call.dtype)
         lse = cupy.empty(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
-        nbatch = math.prod(call.batch_shape)
-        if nbatch == 0 or call.seqlen_q == 0:
+        if call.seqlen_q == 0 or 0 in call.batch_shape:
             return out, lse
-        cc, smem_limit = _device_limits(call.q.device.id)
-        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
-        fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-        extents, strides, pointer_sets = _layout(call.batch_shape,
-                                                 _forward_tensors(call, out, lse))
-        num_m = -(-call.seqlen_q // choice.tiles.block_m)
-        num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-        grid = (num_m * num_dv * math.prod(extents),)
-        sizes = _sizes(call, extents, num_m, num_dv)
-        for pointers in pointer_sets:
-            params = pack_attn_params(pointers + sizes, call.scale, call.softcap, strides)
-            fn(grid, (choice.threads,), (params,), shared_mem=choice.shared_mem)
+        key = _plan_key(call, kernel, tiles)
+        plan = _forward_plans.get(key)
+        if plan is None:
+            plan = _forward_plan(call, kernel, tiles, out, lse)
+            if plan[5] is None:  # plans with a launch loop hold pointers: not kept
+                if len(_forward_plans) >= _MAX_PLANS:
+                    _forward_plans.clear()
+                _forward_plans[key] = plan
+        fn, grid, block, shared_mem, tail, launches = plan
+        if launches is None:
+            launches = [[call.q.data.ptr, call.k.data.ptr, call.v.data.ptr, out.data.ptr,
+                         0 if lse is None else lse.data.ptr,
+                         0 if call.mask is None else call.mask.data.ptr,
+                         0 if call.bias is None else call.bias.data.ptr]]
+        for pointers in launches:
+            fn(grid, block, (attn_params(pointers, tail),), shared_mem=shared_mem)
     return out, lse
 
 
