@@ -17,25 +17,31 @@
 // Layout:     as attention_mma.cu: AttnParams with element strides. ALIGNED instances copy
 //             rows in 16-byte cp.async chunks (unit column strides, row strides multiples of
 //             16 bytes, 16-byte aligned pointers, head dims multiples of 16 bytes).
-// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * NUM_WARPS query rows of one
-//             batch entry and all Dv columns; warp w owns rows 16w .. 16w+15 (lane g = lane/4,
-//             t = lane%4 holds rows g, g+8 of each accumulator tile).
+// Ownership:  a block of NUM_WARPS warps owns BLOCK_M = 16 * M_TILES * NUM_WARPS query rows of
+//             one batch entry and all Dv columns; warp w owns M_TILES tiles of 16 rows (lane
+//             g = lane/4, t = lane%4 holds rows g, g+8 of each accumulator tile). Each K and
+//             V fragment feeds M_TILES steps.
 // Fragments:  T tiles in shared memory, loaded by plain LDS (ldmatrix moves 16-bit units).
 //             The contraction index inside each k8 step is permuted consistently for both
-//             operands -- lane t holds k = 2t, 2t+1 instead of t, t+4 -- so that a lane's two
-//             A (and two B) elements are adjacent: one 64-bit (float) or 128-bit (double)
-//             load each. For O += P V the permutation is the one the accumulator layout
-//             already has: the S accumulator's columns 2t, 2t+1 of key tile j are the A
-//             operand's k = t, t+4, and V rows 8j + 2t, 8j + 2t + 1 are loaded as B's
-//             k = t, t+4. No shuffles.
+//             operands -- lane t holds k = 2t, 2t+1 instead of t, t+4 -- so that a lane's B
+//             elements are adjacent. Q is stored in "row pairs" (rows g and g+8 of a 16-row
+//             tile interleaved element by element), so a lane's four A elements of a step are
+//             adjacent and already in the instruction's register order: one 128-bit (float)
+//             or two (double) loads, and no register copies (ptxas copies an A group before
+//             every mma when its elements come from loads in another order). For O += P V the
+//             permutation is the one the accumulator layout already has: the S accumulator's
+//             columns 2t, 2t+1 of key tile j are the A operand's k = t, t+4, and V rows
+//             8j + 2t, 8j + 2t + 1 are loaded as B's k = t, t+4. No shuffles.
 // Template:   T (float or double); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V: head dims padded to
-//             multiples of 32 (zero-filled); BLOCK_N keys per tile; NUM_WARPS; ALIGNED.
-// Shared mem: (BLOCK_M*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM_V+V_PAD))
-//             * sizeof(T), V_PAD = 16 bytes of T: Q, two stages of K and V. Row pitch
-//             HEAD_DIM+8 makes the Q and K fragment loads conflict-free (float: the 64-bit
-//             loads of 4 rows x 4 lanes per half-warp hit 32 distinct banks; double: the
-//             128-bit loads of 2 rows x 4 lanes per quarter-warp do); HEAD_DIM_V+V_PAD puts
-//             V rows 2t, 2t+1 of the B loads in distinct banks.
+//             multiples of 32 (zero-filled); BLOCK_N keys per tile; NUM_WARPS; M_TILES;
+//             MIN_BLOCKS (__launch_bounds__ blocks per SM); ALIGNED.
+// Shared mem: (BLOCK_M/2 * QP2 + 2*BLOCK_N*(HEAD_DIM+8) + 2*BLOCK_N*(HEAD_DIM_V+V_PAD))
+//             * sizeof(T), QP2 = 2*HEAD_DIM + (2 for double, 16 for float), V_PAD = 16 bytes
+//             of T: Q pair rows, two stages of K and V. The pitches make the fragment loads
+//             conflict-free: a quarter-warp's 128-bit Q loads (2 pair rows x 4 lanes) and K
+//             loads (double: 2 rows x 4 lanes; float: 64-bit loads of 4 rows x 4 lanes per
+//             half-warp) hit distinct banks, and HEAD_DIM_V+V_PAD puts V rows 2t, 2t+1 of the
+//             B loads in distinct banks.
 //             cuattn/_dispatch.py::mma_wide_smem_bytes computes the same number.
 #include "mma_softmax.cuh"
 #include "mma_tiles.cuh"

@@ -1,7 +1,14 @@
 """Host time per call on tiny shapes (PERF.md: <= 25 us of Python per attention call).
 
-    PYTHONPATH=. python tools/host_overhead.py
+    PYTHONPATH=. python tools/host_overhead.py            # microseconds per call
+    PYTHONPATH=. python tools/host_overhead.py --profile  # and a cProfile of attention()
+
+The GPU work of these shapes is a few microseconds, so calls issued back to back without
+synchronisation measure the host side.
 """
+import cProfile
+import pstats
+import sys
 import time
 
 import cupy as cp
@@ -34,6 +41,12 @@ def main():
     }
     for name, fn in rows.items():
         print(f"{name:40s} {per_call_us(fn):7.1f} us per call (host, launch included)")
+    if "--profile" in sys.argv:
+        prof = cProfile.Profile()
+        prof.enable()
+        per_call_us(rows["attention fp16 (1, 2, 16, 64)"])
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
