@@ -24,12 +24,17 @@ MAX_HEAD_DIM = 1024
 PRECISIONS = ("highest", "tf32")
 
 
+_CUPY: list = []  # the cupy module (or None), imported once
+
+
 def _cupy_or_none():
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy
+    if not _CUPY:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        _CUPY.append(cupy)
+    return _CUPY[0]
 
 
 def as_array(x: Any, name: str):
@@ -164,24 +169,24 @@ def _trailing_broadcasts(shape, target, name):
 def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
                     softcap=None, return_lse=False, precision=None, out=None) -> AttentionCall:
     """Validate an attention call and normalise its arguments (API.md, "Errors")."""
+    # plain lists and loops: this runs on every call (PERF.md's host-overhead target)
     (q, xp), (k, xk), (v, xv) = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    arrays = {"q": (q, xp), "k": (k, xk), "v": (v, xv)}
+    arrays = [("q", q, xp), ("k", k, xk), ("v", v, xv)]
     if mask is not None:
         mask, xm = as_array(mask, "mask")
-        arrays["mask"] = (mask, xm)
+        arrays.append(("mask", mask, xm))
     if bias is not None:
         bias, xb = as_array(bias, "bias")
-        arrays["bias"] = (bias, xb)
+        arrays.append(("bias", bias, xb))
     if out is not None:
         out, xo = as_array(out, "out")
-        arrays["out"] = (out, xo)
-    kinds = {name: ("numpy" if mod is np else "cupy") for name, (_, mod) in arrays.items()}
-    if len(set(kinds.values())) > 1:
+        arrays.append(("out", out, xo))
+    if any(mod is not xp for _, _, mod in arrays):
         raise TypeError("host and device arrays cannot be mixed in one call: "
-                        + ", ".join(f"{n} is {kind}" for n, kind in kinds.items()))
+                        + ", ".join(f"{n} is {'numpy' if mod is np else 'cupy'}"
+                                    for n, _, mod in arrays))
 
-    for name in ("q", "k", "v"):
-        x = arrays[name][0]
+    for name, x, _ in arrays[:3]:
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, "
                             f"bfloat16, float32 and float64")
@@ -194,10 +199,10 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         raise TypeError(f"bias must be a floating array (float16, bfloat16, float32, float64), "
                         f"got dtype {bias.dtype}")
 
-    for name in ("q", "k", "v"):
-        if arrays[name][0].ndim < 2:
+    for name, x, _ in arrays[:3]:
+        if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., S, D), got shape "
-                             f"{arrays[name][0].shape}")
+                             f"{x.shape}")
     seqlen_q, head_dim = q.shape[-2:]
     seqlen_k, head_dim_v = v.shape[-2:]
     if k.shape[-1] != head_dim:
@@ -228,13 +233,14 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         batch_shape = (first if all(shape == first for shape in leading) else
                        tuple(int(n) for n in np.broadcast_shapes(*leading)))
     except ValueError:
-        shapes = ", ".join(f"{n}={arrays[n][0].shape}" for n in arrays if n != "out")
+        shapes = ", ".join(f"{n}={x.shape}" for n, x, _ in arrays if n != "out")
         raise ValueError(f"the leading (batch) dims do not broadcast together: {shapes}") from None
 
-    devices = {n: _device_id(x, mod) for n, (x, mod) in arrays.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError("all arrays must be on one device, got "
-                         + ", ".join(f"{n} on device {d}" for n, d in devices.items()))
+    if xp is not np:
+        device = q.device.id
+        if any(x.device.id != device for _, x, _ in arrays):
+            raise ValueError("all arrays must be on one device, got " + ", ".join(
+                f"{n} on device {x.device.id}" for n, x, _ in arrays))
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_finite(scale, "scale")
     softcap = 0.0 if softcap is None else _positive_finite(softcap, "softcap")
@@ -254,8 +260,8 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         if out.shape != out_shape or out.dtype != q.dtype:
             raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}, got shape "
                              f"{out.shape} and dtype {out.dtype}")
-        for name in arrays:
-            if name != "out" and may_overlap(out, arrays[name][0]):
+        for name, x, _ in arrays:
+            if name != "out" and may_overlap(out, x):
                 raise ValueError(f"out overlaps {name}; it must be a separate array")
 
     return AttentionCall(xp=xp, q=q, k=k, v=v, mask=mask, bias=bias, out=out,
