@@ -1,5 +1,6 @@
 // mma_tiles.cuh -- the tensor-core tile machinery shared by the mma.sync attention kernels
-// (attention_mma.cu, the forward; attention_backward_mma.cu, the backward).
+// (attention_mma.cu, the forward; attention_backward_mma.cu, the backward; its 16-byte tile
+// copier load_tile and the cp.async helpers also serve attention_mma_wide.cu).
 //
 // Operands are 16-bit (T = __half or __nv_bfloat16) tiles in shared memory, row-major with
 // COLS (a multiple of 64) columns and a 16-byte-chunk XOR swizzle (chunk ^ row % 8), read
@@ -73,10 +74,14 @@ __device__ __forceinline__ int swizzle(int row, int col) {
 
 // Shared-memory layouts of a copied tile: element offset of (row, col).
 template <int COLS> struct Swizzled {  // the 16-bit operand tiles read by ldmatrix
-    __device__ __forceinline__ int operator()(int row, int col) const { return swizzle<COLS>(row, col); }
+    __device__ __forceinline__ int operator()(int row, int col) const {
+        return swizzle<COLS>(row, col);
+    }
 };
 template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attention_mma_wide.cu)
-    __device__ __forceinline__ int operator()(int row, int col) const { return row * PITCH + col; }
+    __device__ __forceinline__ int operator()(int row, int col) const {
+        return row * PITCH + col;
+    }
 };
 
 // Copy ROWS x COLS elements of a strided tensor into a shared tile laid out by `at`; rows >=
