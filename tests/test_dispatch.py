@@ -51,6 +51,33 @@ def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
         for head in (32, 64, 128, 256):
             choice = forward(F32, head, gpu=gpu, precision="tf32")
             assert choice.family == "mma_f32" and choice.shared_mem <= gpu[1]
+    # the H200's D64 row: 128 rows as 4 warps x 2 row tiles; shared memory is the kernel's
+    # Q pair rows (pitch 2 HEAD_DIM + 16 floats) and two stages of K and V
+    choice = forward(F32, 64, precision="tf32")
+    assert choice.name_expression.endswith(", 64, 64, 64, 4, 2, 1, true>")
+    assert choice.threads == 128 and choice.tiles.block_m == 128
+    assert choice.shared_mem == 4 * (64 * (2 * 64 + 16) + 2 * 64 * (64 + 8) + 2 * 64 * (64 + 4))
+    # the sm_86 row cannot hold those 109 KB and takes the next candidate
+    assert forward(F32, 64, gpu=SM86, precision="tf32").tiles.block_m == 64
+
+
+def test_attention_params_block_field_order():
+    """attn_params packs the seven pointers before a tail that attn_params_tail packs, in
+    the field order of ATTN_PARAMS_DTYPE (AttnParams in cuda/common.cuh)."""
+    from cuattn._kernels import ATTN_PARAMS_DTYPE, attn_params, attn_params_tail
+
+    ints = list(range(8, 18))
+    strides = list(range(100, 135))
+    block = attn_params(list(range(1, 8)), attn_params_tail(ints, 0.125, 30.0, strides))
+    assert block.dtype == ATTN_PARAMS_DTYPE
+    names = ["q", "k", "v", "out", "lse", "mask", "bias", "batch1", "batch2", "seqlen_q",
+             "seqlen_k", "head_dim", "head_dim_v", "window_left", "window_right",
+             "num_m_blocks", "num_dv_tiles"]
+    assert [int(block[n]) for n in names] == list(range(1, 18))
+    assert float(block["scale"]) == 0.125 and float(block["softcap"]) == 30.0
+    for i, t in enumerate(("q", "k", "v", "out", "lse", "mask", "bias")):
+        assert [int(block[f"{t}_s"][f]) for f in ("b0", "b1", "b2", "row", "col")] == \
+            strides[5 * i:5 * i + 5]
 
 
 def test_portable_pipeline_and_16_byte_copies():
