@@ -275,17 +275,25 @@ def _layout(batch, tensors):
     return [g[0] for g in inner], strides, pointer_sets()
 
 
+def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
+    """The arrays of the forward's seven parameter-block slots, in slot order: q, k, v, out,
+    lse, mask, bias (None where absent)."""
+    return call.q, call.k, call.v, out, lse, call.mask, call.bias
+
+
 def _forward_tensors(call: AttentionCall, out, lse):
-    """The forward's seven parameter-block slots: q, k, v, out, lse, mask, bias."""
+    """The forward's seven parameter-block slots: (array, strides over batch + its two last
+    axes), in :func:`_forward_arrays` order."""
     batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
+    q, k, v, out, lse, mask, bias = _forward_arrays(call, out, lse)
     return [
-        (call.q, _broadcast_strides(call.q, batch + call.q.shape[-2:])),
-        (call.k, _broadcast_strides(call.k, batch + call.k.shape[-2:])),
-        (call.v, _broadcast_strides(call.v, batch + call.v.shape[-2:])),
+        (q, _broadcast_strides(q, batch + q.shape[-2:])),
+        (k, _broadcast_strides(k, batch + k.shape[-2:])),
+        (v, _broadcast_strides(v, batch + v.shape[-2:])),
         (out, _broadcast_strides(out, out.shape)),
         (lse, None if lse is None else _broadcast_strides(lse, lse.shape) + [0]),
-        (call.mask, call.mask is not None and _broadcast_strides(call.mask, batch + sq_sk)),
-        (call.bias, call.bias is not None and _broadcast_strides(call.bias, batch + sq_sk)),
+        (mask, mask is not None and _broadcast_strides(mask, batch + sq_sk)),
+        (bias, bias is not None and _broadcast_strides(bias, batch + sq_sk)),
     ]
 
 
@@ -353,11 +361,8 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
                     _forward_plans.clear()
                 _forward_plans[key] = plan
         fn, grid, block, shared_mem, tail, launches = plan
-        if launches is None:
-            launches = [[call.q.data.ptr, call.k.data.ptr, call.v.data.ptr, out.data.ptr,
-                         0 if lse is None else lse.data.ptr,
-                         0 if call.mask is None else call.mask.data.ptr,
-                         0 if call.bias is None else call.bias.data.ptr]]
+        if launches is None:  # one launch: the pointers are the arrays' own
+            launches = [[0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)]]
         for pointers in launches:
             fn(grid, block, (attn_params(pointers, tail),), shared_mem=shared_mem)
     return out, lse
