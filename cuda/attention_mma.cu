@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     const LaneOffsets<HEAD_DIM> k_off(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LaneOffsets<HEAD_DIM_V> v_off(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     const unsigned q_base = smem_addr(q_s), k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const SoftmaxExp2<float> exp2_fn(lane);
 
     int stage = 0;
     for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -118,9 +119,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-            mask_scores<BLOCK_N, HAS_MASK>(s[mt], p, m0 + warp * WARP_M + mt * 16, n0, lane,
-                                           interior, mask, bias);
-            update_row_state<BLOCK_N, DV_TILES>(s[mt], m[mt], l[mt], o[mt]);
+            const float scale = mask_scores<BLOCK_N, HAS_MASK>(s[mt], p, m0 + warp * WARP_M + mt * 16,
+                                                               n0, lane, interior, mask, bias);
+            update_row_state<BLOCK_N, DV_TILES>(s[mt], m[mt], l[mt], o[mt], scale, exp2_fn);
         }
         accumulate_pv<BLOCK_N, HEAD_DIM_V, M_TILES, T>(o, s, v_base + stage * V_ELEMS * 2, v_off);
         __syncthreads();  // this stage is consumed before the next iteration refills it

@@ -259,6 +259,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
             for (int e = 0; e < 4; ++e) o[i][d][e] = T(0);
     }
     const T* q_w = q_s + warp * WARP_ROWS / 2 * QP2;
+    const SoftmaxExp2<T> exp2_fn(lane);
 
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -273,9 +274,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
-            mask_scores<BLOCK_N, HAS_MASK>(s[i], p, m0 + warp * WARP_ROWS + 16 * i, n0, lane,
-                                           interior, mask, bias);
-            update_row_state<BLOCK_N, DV_TILES>(s[i], m[i], l[i], o[i]);
+            const T scale = mask_scores<BLOCK_N, HAS_MASK>(s[i], p, m0 + warp * WARP_ROWS + 16 * i,
+                                                           n0, lane, interior, mask, bias);
+            update_row_state<BLOCK_N, DV_TILES>(s[i], m[i], l[i], o[i], scale, exp2_fn);
         }
         accumulate_pv_wide<BLOCK_N, HEAD_DIM_V, M_TILES>(o, s, v_s + stage * V_ELEMS, lane);
         __syncthreads();  // this stage is consumed before the next iteration refills it

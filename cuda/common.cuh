@@ -62,6 +62,46 @@ __device__ __forceinline__ double fast_exp2(double x) {
     const double two_n = __hiloint2double((n + 1023) << 20, 0);
     return x < -1022.0 ? 0.0 : p * two_n;
 }
+// exp2 for double in the tensor-core softmax (mma_softmax.cuh::SoftmaxExp2): 2^x =
+// 2^n 2^(j/32) 2^r with 32 n + j = rint(32 x), |r| <= 1/64. The 32 fractions 2^(j/32)
+// (correctly rounded) live one per lane of the warp, so the lookup is a shuffle; 2^r - 1 is
+// its degree-6 Taylor polynomial (truncation below 4e-18) and 2^(j/32) 2^r one fma, so the
+// result is within about 1 ulp. 11 FP64 instructions where fast_exp2(double) takes 19, and
+// the coefficients come from the constant bank (64-bit immediates cost two uniform moves
+// each per use). Same domain and special values as fast_exp2(double): x < -1020 gives 0.
+__constant__ double EXP2_FRACTIONS[32] = {
+    0x1.0000000000000p+0, 0x1.059b0d3158574p+0, 0x1.0b5586cf9890fp+0, 0x1.11301d0125b51p+0,
+    0x1.172b83c7d517bp+0, 0x1.1d4873168b9aap+0, 0x1.2387a6e756238p+0, 0x1.29e9df51fdee1p+0,
+    0x1.306fe0a31b715p+0, 0x1.371a7373aa9cbp+0, 0x1.3dea64c123422p+0, 0x1.44e086061892dp+0,
+    0x1.4bfdad5362a27p+0, 0x1.5342b569d4f82p+0, 0x1.5ab07dd485429p+0, 0x1.6247eb03a5585p+0,
+    0x1.6a09e667f3bcdp+0, 0x1.71f75e8ec5f74p+0, 0x1.7a11473eb0187p+0, 0x1.82589994cce13p+0,
+    0x1.8ace5422aa0dbp+0, 0x1.93737b0cdc5e5p+0, 0x1.9c49182a3f090p+0, 0x1.a5503b23e255dp+0,
+    0x1.ae89f995ad3adp+0, 0x1.b7f76f2fb5e47p+0, 0x1.c199bdd85529cp+0, 0x1.cb720dcef9069p+0,
+    0x1.d5818dcfba487p+0, 0x1.dfc97337b9b5fp+0, 0x1.ea4afa2a490dap+0, 0x1.f50765b6e4540p+0};
+__constant__ double EXP2_TAYLOR[6] = {  // (ln 2)^k / k!, k = 1 .. 6
+    0x1.62e42fefa39efp-1, 0x1.ebfbdff82c58fp-3, 0x1.c6b08d704a0c0p-5,
+    0x1.3b2ab6fba4e77p-7, 0x1.5d87fe78a6731p-10, 0x1.430912f86c787p-13};
+// lane_fraction: this lane's EXP2_FRACTIONS[lane]; every lane of the warp must call.
+__device__ __forceinline__ double exp2_lanes(double x, double lane_fraction) {
+    constexpr double ROUND = 0x1.8p47;  // x + ROUND rounds x (|x| < 2^46) to a multiple of 1/32
+    const double t = x + ROUND;
+    const double r = x - (t - ROUND);
+    const int k = __double2loint(t);  // rint(32 x), in the low word of t
+    const double f = __shfl_sync(0xffffffffu, lane_fraction, k & 31);
+    // 2^n 2^(j/32) by the exponent field: normal for every x >= -1020 kept below
+    const double scaled = __hiloint2double(
+        __double2hiint(f) + static_cast<int>(static_cast<unsigned>(k >> 5) << 20),
+        __double2loint(f));
+    double q = EXP2_TAYLOR[5];
+    q = fma(q, r, EXP2_TAYLOR[4]);
+    q = fma(q, r, EXP2_TAYLOR[3]);
+    q = fma(q, r, EXP2_TAYLOR[2]);
+    q = fma(q, r, EXP2_TAYLOR[1]);
+    q = fma(q, r, EXP2_TAYLOR[0]);
+    q *= r;  // 2^r - 1
+    const double y = fma(scaled, q, scaled);
+    return x < -1020.0 ? 0.0 : y;  // -inf too; NaN stays NaN (through r)
+}
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }

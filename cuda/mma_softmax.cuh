@@ -13,20 +13,17 @@ namespace mma {
 
 // Scores to log2 units with softcap, bias and masking (see attention_portable.cu). Element
 // (j, e) of the accumulator is row g + 8*(e/2), column 8j + 2t + e%2 of the warp's tile.
+// Returns the factor still to be applied: an interior tile without softcap or bias is left
+// in raw units and update_row_state folds scale_log2 into its exp2 argument (one fma in
+// place of a multiply and a subtraction); otherwise the scores are final and the factor 1.
 template <int BLOCK_N, bool HAS_MASK, typename BiasT, typename A>
-__device__ __forceinline__ void mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParams& p,
+__device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParams& p,
                                             long long row0, long long col0, int lane,
                                             bool interior, const unsigned char* mask,
                                             const BiasT* bias) {
     const A scale_log2 = A(p.scale * LOG2E);
     const A softcap = A(p.softcap);
-    if (interior && softcap == A(0) && is_same_v<BiasT, NoBias>) {
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
-        return;
-    }
+    if (interior && softcap == A(0) && is_same_v<BiasT, NoBias>) return scale_log2;
     const A cap_over_scale = softcap > A(0) ? A(p.scale / p.softcap) : A(0);
     const long long off = p.seqlen_k - p.seqlen_q;
 #pragma unroll
@@ -45,40 +42,86 @@ __device__ __forceinline__ void mask_scores(A (&s)[BLOCK_N / 8][4], const AttnPa
                 if (allowed) x += A(to_acc(bias[r * p.bias_s.row + c * p.bias_s.col])) * A(LOG2E);
             s[j][e] = allowed ? x : neg_inf<A>();
         }
+    return A(1);
 }
 
+// The exp2 of the softmax. float: exp2f (MUFU.EX2). double: exp2_lanes (common.cuh), whose
+// table of 2^(j/32) lives one entry per lane; construct in warp-uniform code.
+template <typename A> struct SoftmaxExp2;
+template <> struct SoftmaxExp2<float> {
+    __device__ explicit SoftmaxExp2(int) {}
+    __device__ float operator()(float x) const { return exp2f(x); }
+};
+template <> struct SoftmaxExp2<double> {
+    double lane_fraction;
+    __device__ explicit SoftmaxExp2(int lane) : lane_fraction(EXP2_FRACTIONS[lane]) {}
+    __device__ double operator()(double x) const { return exp2_lanes(x, lane_fraction); }
+};
+
+// max(running, x) for a running max that is never NaN: a NaN x is ignored (as fmax does),
+// so a NaN score reaches only its own row, through exp2 into l and acc. For double this is
+// one compare and two selects where fmax takes six instructions.
+__device__ __forceinline__ float running_max(float running, float x) { return fmaxf(running, x); }
+__device__ __forceinline__ double running_max(double running, double x) {
+    return x > running ? x : running;
+}
+
+// How far (log2 units) a tile's row max may exceed the row's m before m is raised: the
+// rescale of l and acc (an exp2 and DV_TILES * 4 multiplies per row) happens only when some
+// row of the warp exceeds its m by more than this, and otherwise p = exp2(s - m) <= 2^8,
+// which float, double and the 16-bit P operands hold exactly as well as p <= 1. Results
+// are exact for any m (out = acc / l, lse = m ln 2 + log l); this only trades rescales for
+// range. Rows reach their true max within a few tiles, so later tiles skip the rescale.
+constexpr float RESCALE_SLACK = 8.f;
+
 // Online softmax over one tile for the lane's two rows (h = 0: row g, h = 1: row g + 8).
-template <int BLOCK_N, int DV_TILES, typename A>
+// scale: the factor mask_scores left to apply (scale_log2, or 1).
+template <int BLOCK_N, int DV_TILES, typename A, typename Exp2>
 __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
-                                                 A (&o)[DV_TILES][4]) {
+                                                 A (&o)[DV_TILES][4], A scale,
+                                                 const Exp2& exp2_fn) {
+    A tile_max[2];
+    bool grow = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        A tile_max = neg_inf<A>();
+        A x = neg_inf<A>();
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j)
-            tile_max = max_acc(tile_max, max_acc(s[j][2 * h], s[j][2 * h + 1]));
+            x = running_max(running_max(x, s[j][2 * h]), s[j][2 * h + 1]);
         // the four lanes of a quad hold the row's columns
-        tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const A m_new = max_acc(m[h], tile_max);
-        const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing allowed yet
-        const A alpha = fast_exp2(m[h] - m_use);
+        x = running_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+        x = running_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        tile_max[h] = x * scale;  // scale > 0: the max of the scaled scores
+        grow |= tile_max[h] > m[h] + A(RESCALE_SLACK);
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const A m_new = running_max(m[h], tile_max[h]);
+            const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing allowed yet
+            const A alpha = exp2_fn(m[h] - m_use);
+            l[h] *= alpha;
+            m[h] = m_new;
+#pragma unroll
+            for (int d = 0; d < DV_TILES; ++d) {
+                o[d][2 * h] *= alpha;
+                o[d][2 * h + 1] *= alpha;
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const A neg_m = m[h] == neg_inf<A>() ? A(0) : -m[h];
         A tile_sum = A(0);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
             for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                s[j][e] = fast_exp2(s[j][e] - m_use);
+                s[j][e] = exp2_fn(fma(s[j][e], scale, neg_m));
                 tile_sum += s[j][e];
             }
         // the quad's partial sums are combined once, at the end (l is per lane until then)
-        l[h] = l[h] * alpha + tile_sum;
-        m[h] = m_new;
-#pragma unroll
-        for (int d = 0; d < DV_TILES; ++d) {
-            o[d][2 * h] *= alpha;
-            o[d][2 * h + 1] *= alpha;
-        }
+        l[h] += tile_sum;
     }
 }
 

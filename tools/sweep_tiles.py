@@ -43,7 +43,8 @@ F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
                        MmaTiles(64, 16)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
-    ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(32, 32)],
+    ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
+                      MmaTiles(32, 32)],
     ("float64", 128): [MmaTiles(128, 16), MmaTiles(64, 16)],
 }
 
