@@ -31,9 +31,10 @@ CANDIDATES = {
 }
 MMA_CANDIDATES = {  # MmaTiles(block_m, block_n, m_tiles, min_blocks per SM)
     ("bfloat16", 64): [MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(64, 64, 1, 3),
-                       MmaTiles(64, 32, 1, 3)],
+                       MmaTiles(64, 32, 1, 3), MmaTiles(64, 64, 1, 2), MmaTiles(64, 128, 1, 2),
+                       MmaTiles(128, 128)],
     ("bfloat16", 128): [MmaTiles(128, 32, 2), MmaTiles(64, 16, 1, 3), MmaTiles(64, 32, 1, 3),
-                        MmaTiles(64, 32, 1, 2)],
+                        MmaTiles(64, 32, 1, 2), MmaTiles(64, 64, 1, 2), MmaTiles(128, 64)],
     ("bfloat16", 256): [MmaTiles(64, 32)],
 }
 F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
