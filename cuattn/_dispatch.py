@@ -19,7 +19,8 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
-           "MmaTiles", "KernelChoice", "mma_wide_smem_bytes",
+           "MmaTiles", "SM90_TILES", "Sm90Tiles",
+           "sm90_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes",
@@ -53,6 +54,10 @@ class Family:
 #: Attention families, most preferred first. A call takes the first row whose compute
 #: capability, dtype, precision and head dims it meets.
 FAMILIES = (
+    Family("sm90", "attention_sm90.cu", (9, 0), ("float16", "bfloat16"), 128,
+           "Hopper warpgroup MMA (wgmma, sm_90a), 16-bit inputs, head dims to 128 (the "
+           "register budget of a 64-row warpgroup tile); sm_90a code runs on sm_90 only",
+           archs=((9, 0),)),
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
     Family("mma_f32", "attention_mma_wide.cu", (8, 0), ("float32",), 256,
@@ -243,6 +248,51 @@ def _mma(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
                         threads=tiles.num_warps * 32)
 
 
+@dataclass(frozen=True)
+class Sm90Tiles:
+    block_m: int   # query rows per block: one warpgroup (128 threads) per 64 rows
+    block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+
+#: sm90 family: (largest head dim, candidate tiles in order of preference, measured reason).
+SM90_TILES = (
+    (64, (Sm90Tiles(64, 64), Sm90Tiles(64, 128), Sm90Tiles(128, 128)),
+     "H200 bf16 B4 H16 S4096 D64, first version (run W): one warpgroup with 64-key tiles "
+     "316.0 / 283.7 TFLOP/s (non-causal / causal), 128-key tiles 338.6 / 260.8, two "
+     "warpgroups 277.5 / 221.9 (128 keys) and 229.2 / 189.2 (64 keys), three 235.6 / 183.6"),
+    (128, (Sm90Tiles(64, 64), Sm90Tiles(128, 128), Sm90Tiles(128, 64)),
+     "H200 bf16 B4 H16 S4096 D128, run W: one warpgroup, 64-key tiles 398.1 / 323.8, two "
+     "warpgroups with 128-key tiles 395.7 / 326.6 (160 KB: one block per SM), 64-key "
+     "362.6 / 300.7; one warpgroup with 128-key tiles 295.5 / 240.5"),
+)
+
+
+def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90 (see the .cu header)."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 2
+
+
+def _sm90(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+          aligned: bool, smem_limit: int, tiles: Sm90Tiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_smem_bytes(t, hd, hdv), smem_limit,
+                             "sm90", f"head dims {head_dim}, {head_dim_v}")
+    expr = (f"attention_fwd_sm90<{c_type_name(call_dtype)}, {_bias_type(bias_dtype)}, "
+            f"{str(has_mask).lower()}, {hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 64}, "
+            f"{str(aligned).lower()}, {tiles.min_blocks}>")
+    return KernelChoice("sm90", "attention_sm90.cu", expr,
+                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.num_warps * 32)
+
+
 def mma_aligned(call: AttentionCall) -> bool:
     """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
     chunks? Unit column strides, every other
@@ -367,6 +417,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
             continue
         if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
+        if family.name == "sm90":
+            return _sm90(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                         smem_limit, tiles)
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)
@@ -597,7 +650,7 @@ def forward_instances(arch: str):
                     bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
                         for aligned, precision in itertools.product(
-                                (True, False) if family.name.startswith("mma")
+                                (True, False) if family.name.startswith(("mma", "sm90"))
                                 or name in ("float32", "float64") else (True,),
                                 ("highest", "tf32") if name == "float32" else (None,)):
                             choice = _choose(dtype, head, head, bias_dtype, has_mask, aligned,

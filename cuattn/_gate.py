@@ -8,6 +8,7 @@ bytes and stack frame per instance.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,32 @@ def cuda_include_dir() -> str | None:
 
 def compile_instance(filename: str, name_expression: str, arch: str) -> Resources:
     """Compile one instance for ``arch`` (e.g. ``sm_90``); raise RuntimeError with the log
-    on a compile error."""
+    on a compile error.
+
+    The compile runs on a thread with a 512 MB stack: ptxas inside NVRTC 13.0 overflowed
+    the usual 8 MB main-thread stack on the wgmma instances (attention_sm90.cu) and took
+    the process down with it."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = _compile(filename, name_expression, arch)
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    previous = threading.stack_size(512 << 20)
+    try:
+        worker = threading.Thread(target=run, name="nvrtc")
+        worker.start()
+    finally:
+        threading.stack_size(previous)
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _compile(filename: str, name_expression: str, arch: str) -> Resources:
     from cuda.bindings import nvrtc
 
     source = read_source(filename).encode()
@@ -57,7 +83,7 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
     try:
         nvrtc.nvrtcAddNameExpression(prog, name_expression.encode())
-        opts = list(nvrtc_options(arch)) + list(CUPY_APPENDS) + ["-Xptxas=-v"]
+        opts = list(nvrtc_options(arch, filename)) + list(CUPY_APPENDS) + ["-Xptxas=-v"]
         include = cuda_include_dir()
         if include:
             opts.append(f"--include-path={include}")

@@ -94,13 +94,23 @@ def read_source(filename: str, directory: Path | None = None) -> str:
     return inline(filename) + "\n"
 
 
-def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
+#: Sources built for an architecture-specific target instead of the device's plain one:
+#: wgmma exists only on sm_90a. Given ours and CuPy's appended -arch=sm_90, NVRTC 13.0 builds
+#: for sm_90a (either order; sm_90 alone rejects wgmma); dispatch sends these files to
+#: sm_90 devices only.
+ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a"}
+
+
+def nvrtc_options(arch: str | None = None, filename: str | None = None) -> tuple[str, ...]:
     """Our NVRTC options. At run time CuPy appends ``-arch=sm_XX`` for the current device,
     ``-ftz=true`` and ``--device-as-default-execution-space``; the NVRTC gate
     (``cuattn._gate``) passes ``arch`` and the same appends, so that its register and spill
-    counts are the runtime's."""
+    counts are the runtime's. ``filename`` in ARCH_SPECIFIC gets that target."""
     opts = ("-std=c++17",)
-    if arch is not None:
+    specific = ARCH_SPECIFIC.get(filename)
+    if specific is not None:
+        opts += (f"-arch={specific}",)
+    elif arch is not None:
         opts += (f"-arch={arch}",)
     return opts
 
@@ -133,7 +143,7 @@ def get_kernel(filename: str, name_expression: str, *, shared_mem: int = 0,
     """
     cupy = require_cupy()
     device_id = cupy.cuda.runtime.getDevice()
-    options = nvrtc_options() if options is None else options
+    options = nvrtc_options(filename=filename) if options is None else options
     key = (device_id, kernel_dir(), filename, name_expression, options, shared_mem)
     kernel = _ready.get(key)
     if kernel is not None:

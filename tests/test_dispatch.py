@@ -27,8 +27,11 @@ def backward(dtype, head, *, gpu=H200, grads=None, forced=None):
 
 
 def test_forward_families_by_dtype_precision_and_head_dim():
-    assert forward(F16, 64).family == "mma"
-    assert forward(BF16, 256).family == "mma"
+    assert forward(F16, 64).family == "sm90"               # Hopper: wgmma
+    assert forward(BF16, 128).family == "sm90"
+    assert forward(BF16, 256).family == "mma"              # beyond the sm90 head dims
+    assert forward(F16, 64, gpu=A100).family == "mma"      # sm_90a code runs on sm_90 only
+    assert forward(F16, 64, gpu=((10, 0), 232448)).family == "mma"
     assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
     assert forward(F32, 128).family == "portable"         # "highest" stays exact
     assert forward(F32, 128, precision="tf32").family == "mma_f32"
@@ -41,6 +44,25 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     # a forced family that does not serve the call gives no choice (NotImplementedError)
     assert forward(F32, 64, forced="mma_f32") is None     # precision "highest"
     assert forward(F64, 64, forced="mma") is None
+    assert forward(F32, 64, forced="sm90", precision="tf32") is None
+
+
+def test_sm90_instances_and_shared_memory():
+    # one warpgroup (128 threads) per 64 query rows; head dims padded to 64; every tile in
+    # the 128-byte-swizzle layout: Q rows, two stages of K and V
+    choice = forward(BF16, 100)
+    assert choice.name_expression == (
+        "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, true, 1>")
+    assert choice.threads == 128 and choice.tiles.block_m == 64
+    assert choice.shared_mem == 2 * (64 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
+    two = d._sm90(F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
+    assert two.name_expression == (
+        "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, false, 1>")
+    assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128)
+    # the loader builds this file for sm_90a (wgmma), whatever the gate's target
+    from cuattn._kernels import nvrtc_options
+    assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_sm90.cu")
+    assert "-arch=sm_90" in nvrtc_options("sm_90", "attention_mma.cu")
 
 
 def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():

@@ -3,6 +3,7 @@
     PYTHONPATH=. python tools/sweep_tiles.py          # portable family
     PYTHONPATH=. python tools/sweep_tiles.py float32  # portable family, float32 rows only
     PYTHONPATH=. python tools/sweep_tiles.py --mma    # mma family
+    PYTHONPATH=. python tools/sweep_tiles.py --sm90   # sm90 family (Hopper wgmma)
     PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
     PYTHONPATH=. python tools/sweep_tiles.py --f32    # mma_f32 family (float32 "tf32")
 
@@ -15,7 +16,7 @@ import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaTiles, Tiles
+from cuattn._dispatch import MmaTiles, Sm90Tiles, Tiles
 from cuattn.attention import _attention
 from cuattn.bench import _time
 
@@ -43,6 +44,12 @@ F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
     ("float32", 128): [MmaTiles(64, 32), MmaTiles(128, 32, 2), MmaTiles(128, 16, 2),
                        MmaTiles(64, 16)],
 }
+SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
+    ("bfloat16", 64): [Sm90Tiles(128, 128), Sm90Tiles(64, 128), Sm90Tiles(128, 64),
+                       Sm90Tiles(64, 64), Sm90Tiles(192, 128)],
+    ("bfloat16", 128): [Sm90Tiles(128, 128), Sm90Tiles(128, 64), Sm90Tiles(64, 128),
+                        Sm90Tiles(64, 64)],
+}
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
                       MmaTiles(32, 32)],
@@ -53,6 +60,7 @@ F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
 def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
     table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
+                     (SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv else
                      (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
                      (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
                      (CANDIDATES, "portable"))

@@ -1,0 +1,209 @@
+// attention_sm90.cu -- tensor-core attention forward for float16 / bfloat16 on Hopper
+// (sm_90a: wgmma).
+//
+// Computes:   the same function as attention_mma.cu (API.md semantics; reference
+//             cuattn/reference.py::attention_reference), with the same score transform and
+//             online softmax (mma_softmax.cuh): the accumulators of a warpgroup MMA have the
+//             m16n8 layout of mma.sync in each of its four warps.
+// Layout:     as attention_mma.cu: AttnParams (common.cuh) with element strides; ALIGNED
+//             instances need unit column strides, 16-byte aligned rows and D, Dv multiples
+//             of 8 (checked in Python); the others load element by element.
+// Ownership:  a block of NUM_WG warpgroups owns BLOCK_M = 64 * NUM_WG query rows of one
+//             batch entry and all Dv columns; warpgroup w owns rows 64w .. 64w + 63 and its
+//             warp v rows 64w + 16v .. + 15 of every accumulator tile.
+// Algorithm:  K and V tiles of BLOCK_N keys arrive by cp.async one tile ahead into two
+//             stages (as attention_mma.cu); per tile: S = Q K^T by HEAD_DIM / 16 wgmma
+//             steps with Q and K in shared memory; score transform and online softmax in
+//             registers; P converted to T in registers and used as the A operand of
+//             O += P V (HEAD_DIM_V = N of the instruction, V through a transposed
+//             descriptor).
+// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T),
+//             every tile in the canonical 128-byte-swizzle layout of wgmma: 64-column
+//             groups stored one after another, each group's rows 128 bytes apart with
+//             16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned.
+//             cuattn/_dispatch.py::sm90_smem_bytes computes the same number.
+// Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
+//             or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
+#include "mma_softmax.cuh"
+#include "mma_tiles.cuh"
+#include "wgmma.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+using namespace cuattn::sm90;
+
+namespace {
+
+// Element offset of (row, col) in a ROWS-row tile in the 128-byte-swizzle layout.
+template <int ROWS> struct Sw128 {
+    __device__ __forceinline__ int operator()(int row, int col) const {
+        return (col >> 6) * ROWS * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
+               (col & 7);
+    }
+};
+
+// Matrix descriptor of a 128-byte-swizzled operand at shared address `addr`: leading byte
+// offset `lbo` (between 64-column groups of an N-contiguous operand; unused when K is
+// contiguous), stride byte offset 1024 (between groups of eight 128-byte rows).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Generic-proxy writes (cp.async, plain stores) to shared memory become visible to the
+// tensor cores' async proxy after this fence (then a barrier orders them for other threads).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+}  // namespace
+
+template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
+          int NUM_WG, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(const AttnParams p) {
+    constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh");
+    // V descriptor: byte offset between 64-column groups of the N-contiguous V tile
+    constexpr unsigned V_LBO = BLOCK_N * 128;
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
+    T* k_s = q_s + NUM_WG * Q_ELEMS;          // [2][BLOCK_N x HEAD_DIM]
+    T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N x HEAD_DIM_V]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
+                                         p.window_left >= 0 || p.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
+    const long long m0 = m_block * BLOCK_M;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // sequence positions fit in 32 bits (checked in Python)
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+
+    auto request_kv = [&](int n0, int stage) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim, Sw128<BLOCK_N>());
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
+                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v, Sw128<BLOCK_N>());
+    };
+    // each warpgroup's 64 rows of Q form one 64-row tile
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
+                                                  p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
+                                                  p.head_dim, Sw128<64>());
+    if (n_lo < n_hi) request_kv(n_lo, 0);
+    cp_async_commit();
+
+    float o[DV_TILES][4], m[2], l[2];
+    m[0] = m[1] = neg_inf<float>();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    const SoftmaxExp2<float> exp2_fn(lane);
+
+    const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
+                   v_base = smem_addr(v_s);
+    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
+
+    int stage = 0;
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();   // all but the group just issued have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores ...
+        __syncthreads();      // ... for every thread: Q (first time), this tile's K and V
+
+        // S = Q K^T: K-contiguous operands, 16 columns (32 bytes) per step inside a
+        // 64-column group, groups of 64 rows * 128 bytes (Q) or BLOCK_N * 128 bytes (K)
+        float s[BLOCK_N / 8][4];
+        const unsigned k_tile = k_base + stage * K_ELEMS * 2;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const unsigned col = (kk % 4) * 32;
+            Wgmma<BLOCK_N, T>::ss(s,
+                                  sw128_desc(q_base + (kk / 4) * 64 * 128 + col, 0),
+                                  sw128_desc(k_tile + (kk / 4) * BLOCK_N * 128 + col, 0), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
+                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+
+        // O += P V: 16 keys per step, P from registers (the A fragment of the warp's rows),
+        // V N-contiguous: 16 keys = 2048 bytes per step, 64-column groups BLOCK_N * 128 apart
+        const unsigned v_tile = v_base + stage * V_ELEMS * 2;
+        unsigned pa[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<HEAD_DIM_V, T>::rs(o, pa[kk], sw128_desc(v_tile + kk * 16 * 128, V_LBO), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float row_l = l[h];
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+        const long long r = row0 + lane / 4 + 8 * h;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
+        T* out_row = out + r * p.out_s.row;
+        const bool pairs = p.out_s.col == 1 && p.head_dim_v % 2 == 0 &&
+                           (reinterpret_cast<unsigned long long>(out_row) % 4) == 0;
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d) {
+            const int c = 8 * d + 2 * (lane % 4);
+            if (c >= p.head_dim_v) continue;  // columns of the zero pad
+            const float x0 = o[d][2 * h] * inv_l, x1 = o[d][2 * h + 1] * inv_l;
+            if (pairs) {
+                *reinterpret_cast<unsigned*>(out_row + c) = pack2<T>(x0, x1);
+            } else {
+                out_row[c * p.out_s.col] = from_acc<T>(x0);
+                if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = from_acc<T>(x1);
+            }
+        }
+        if (p.lse && lane % 4 == 0) {
+            float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = row_l == 0.f ? neg_inf<float>() : m[h] * float(LN2) + logf(row_l);
+        }
+    }
+}
