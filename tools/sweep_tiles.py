@@ -45,9 +45,9 @@ F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
                        MmaTiles(64, 16)],
 }
 SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
-    ("bfloat16", 64): [Sm90Tiles(64, 64), Sm90Tiles(64, 64, 3), Sm90Tiles(64, 64, 4),
-                       Sm90Tiles(64, 128), Sm90Tiles(64, 128, 2), Sm90Tiles(128, 128)],
-    ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 128), Sm90Tiles(128, 64)],
+    ("bfloat16", 64): [Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64, 3), Sm90Tiles(64, 64),
+                       Sm90Tiles(64, 128)],
+    ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 64)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
