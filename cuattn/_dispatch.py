@@ -23,7 +23,8 @@ __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_
            "sm90_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
-           "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes",
+           "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "SM90_BACKWARD_TILES",
+           "Sm90BwdTiles", "sm90_backward_smem_bytes",
            "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
 THREADS = 256
@@ -436,6 +437,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
 
 #: Backward families, most preferred first (the same rules as FAMILIES).
 BACKWARD_FAMILIES = (
+    Family("sm90", "attention_backward_sm90.cu", (9, 0), ("float16", "bfloat16"), 128,
+           "Hopper warpgroup MMA (wgmma, sm_90a), 16-bit inputs, head dims to 128: the "
+           "mma family's two kernels with every product on wgmma", archs=((9, 0),)),
     Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
            "dK, dV and dQ into 64- or 128-column tiles (registers)"),
@@ -596,6 +600,50 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
         threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
 
 
+@dataclass(frozen=True)
+class Sm90BwdTiles:
+    block_m: int   # query tile of the dK/dV kernel (64 keys per block, one warpgroup)
+    block_n: int   # key tile of the dQ kernel (64 query rows per block)
+    dkdv_min_blocks: int = 1
+    dq_min_blocks: int = 1
+
+
+#: sm90 backward: (largest head dim, candidate tiles, measured reason).
+SM90_BACKWARD_TILES = (
+    (128, (Sm90BwdTiles(64, 64),),
+     "first version, not swept: 64-query and 64-key tiles (97 KB per block at D128)"),
+)
+
+
+def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90."""
+    dkdv = (64 * (hd + hdv) + 2 * tiles.block_m * (hd + hdv)) * 2 + 2 * 2 * tiles.block_m * 4
+    dq = (64 + 2 * tiles.block_n) * (hd + hdv) * 2
+    return dkdv, dq
+
+
+def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+                   grad_dtypes, aligned: bool, smem_limit: int,
+                   tiles: Sm90BwdTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_BACKWARD_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_backward_smem_bytes(t, hd, hdv),
+                             smem_limit, "sm90 backward", f"head dims {head_dim}, {head_dim_v}")
+    t = c_type_name(dtype)
+    g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
+    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
+    al = str(aligned).lower()
+    return BackwardChoice(
+        "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
+        f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
+        f"{tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_sm90<{t}, {g_q}, {flags}, {tiles.block_n}, {al}, "
+        f"{tiles.dq_min_blocks}>",
+        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
+
+
 def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      grad_dtypes, dout, kernel: str | None = None, tiles=None):
     """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
@@ -620,6 +668,9 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
             continue
         if not family.accepts(cc, dtype, max(head_dim, head_dim_v)):
             continue
+        if family.name == "sm90":
+            return _sm90_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
+                                  grad_dtypes, aligned, smem_limit, tiles)
         if family.name == "mma":
             return _mma_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                  grad_dtypes, aligned, cc, smem_limit, tiles)
@@ -689,10 +740,13 @@ def backward_instances(arch: str):
                     bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
                         for grads in ((dtype, dtype), (acc, acc)):
-                            for aligned in ((True, False) if family.name == "mma" else (True,)):
+                            for aligned in ((True, False) if family.name in ("mma", "sm90")
+                                            else (True,)):
                                 choice = _choose_backward(dtype, head, head, bias_dtype,
                                                           has_mask, grads, aligned, cc, limit,
                                                           family.name, None)
+                                if choice is None:  # the family does not serve arch
+                                    continue
                                 fast = (bias is None and not has_mask and grads[0] == dtype
                                         and aligned)
                                 for expr in (choice.delta, choice.dkdv, choice.dq):

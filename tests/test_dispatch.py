@@ -149,7 +149,10 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 
 
 def test_backward_families_and_tiles():
-    choice = backward(BF16, 64)
+    assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
+    assert backward(BF16, 256).family == "mma"             # beyond the sm90 head dims
+    assert backward(F16, 64, gpu=A100).family == "mma"
+    choice = backward(BF16, 64, forced="mma")
     assert choice.family == "mma" and choice.filename == "attention_backward_mma.cu"
     assert choice.delta == "attention_bwd_delta<__nv_bfloat16>"
     # the H200 row caps both kernels at 3 blocks per SM; the sm_8x row does not cap dK/dV
@@ -164,15 +167,18 @@ def test_backward_families_and_tiles():
 @pytest.mark.parametrize("head,cols,tiles", [(64, 64, 1), (128, 128, 1), (192, 64, 3),
                                              (256, 128, 2)])
 def test_mma_backward_column_tiles_divide_the_padded_head_dim(head, cols, tiles):
-    choice = backward(F16, head)
+    choice = backward(F16, head, forced="mma")
     assert choice.col_tile == cols and -(-head // choice.col_tile) == tiles
     assert f", {cols}, " in choice.dkdv
 
 
 def test_broadcast_gradients_are_written_in_the_accumulator_type():
-    choice = backward(F16, 64, grads=(F32, F16))
+    choice = backward(F16, 64, grads=(F32, F16), forced="mma")
     assert choice.dkdv.startswith("attention_bwd_dkdv_mma<__half, float,")
     assert choice.dq.startswith("attention_bwd_dq_mma<__half, __half,")
+    choice = backward(F16, 64, grads=(F32, F16))
+    assert choice.dkdv.startswith("attention_bwd_dkdv_sm90<__half, float,")
+    assert choice.dq.startswith("attention_bwd_dq_sm90<__half, __half,")
     choice = backward(F64, 64, grads=(F64, F64))
     assert choice.dkdv.startswith("attention_bwd_dkdv<double, double,")
 
@@ -183,3 +189,18 @@ def test_every_backward_candidate_fits_its_gpu():
             for head in (32, 64, 128, 256, 1024):
                 choice = backward(dtype, head, gpu=gpu)
                 assert max(choice.smem_dkdv, choice.smem_dq) <= gpu[1]
+
+
+def test_sm90_backward_instances_and_shared_memory():
+    # one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all columns in one block
+    choice = backward(BF16, 100)
+    assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
+                           "cuattn::NoBias, false, 128, 128, 64, true, 1>")
+    assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
+                         "cuattn::NoBias, false, 128, 128, 64, true, 1>")
+    assert choice.threads_dkdv == choice.threads_dq == 128
+    assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 128
+    assert choice.smem_dkdv == (64 * 256 + 2 * 64 * 256) * 2 + 2 * 2 * 64 * 4
+    assert choice.smem_dq == (64 + 2 * 64) * 256 * 2
+    from cuattn._kernels import nvrtc_options
+    assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")

@@ -1,0 +1,344 @@
+// attention_backward_sm90.cu -- tensor-core attention backward for float16 / bfloat16 on
+// Hopper (sm_90a: wgmma).
+//
+// Computes:   the same gradients as attention_backward_mma.cu (API.md semantics; reference
+//             cuattn/reference.py::attention_backward_reference), with the same two kernels
+//             after delta (backward.cuh) and the same element-wise rule (p_and_ds); the
+//             products run as warpgroup MMAs, whose accumulators have the m16n8 layout of
+//             mma.sync in each of the four warps (attention_sm90.cu).
+// Kernels:    attention_bwd_dkdv_sm90: one warpgroup owns 64 keys (warp w: keys 16w ..
+//             16w + 15) and all columns of dK and dV. It walks the query tiles (BLOCK_M rows)
+//             of the band: S^T = K Q^T and dP^T = V dO^T with every operand in shared
+//             memory (K, V as A; Q, dO as B, all K-contiguous); P^T and dS^T are rounded to
+//             T in registers and feed dV += P^T dO and dK += dS^T Q as register A operands,
+//             with Q and dO read N-contiguous through transposed descriptors. Q, dO, lse
+//             and delta tiles arrive by cp.async one tile ahead.
+//             attention_bwd_dq_sm90: one warpgroup owns 64 query rows and all columns of
+//             dQ; it walks the key tiles (BLOCK_N keys, double-buffered): S = Q K^T,
+//             dP = dO V^T, dS in registers, dQ += dS K (K transposed).
+//             Each gradient element is written once by one thread: no atomics, repeated
+//             calls are bit-identical.
+// Template:   T; G gradient storage (T, or float for a gradient that Python sums over
+//             broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128,
+//             zero-padded); the tile of the other sequence (BLOCK_M for dK/dV, BLOCK_N for
+//             dQ: 64 or 128); ALIGNED; MIN_BLOCKS.
+// Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
+//             + 2*2*BLOCK_M*4 bytes;  dQ: (64 + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
+//             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
+//             cuattn/_dispatch.py::sm90_backward_smem_bytes computes the same numbers.
+#include "backward.cuh"
+#include "mma_tiles.cuh"
+#include "wgmma.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+using namespace cuattn::sm90;
+
+namespace {
+
+// Element offset of (row, col) in a ROWS-row tile in the 128-byte-swizzle layout
+// (attention_sm90.cu).
+template <int ROWS> struct Sw128 {
+    __device__ __forceinline__ int operator()(int row, int col) const {
+        return (col >> 6) * ROWS * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
+               (col & 7);
+    }
+};
+
+// Matrix descriptor of a 128-byte-swizzled operand (attention_sm90.cu).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// acc (64 x N per warpgroup) = A B^T over CONTRACT columns, A (64 rows) and B (N rows) both
+// K-contiguous tiles in shared memory: 16 columns (32 bytes) per step inside a 64-column
+// group; groups 64 * 128 bytes (A) and N * 128 bytes (B) apart.
+template <int N, int CONTRACT, typename T>
+__device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_tile,
+                                           unsigned b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < CONTRACT / 16; ++kk) {
+        const unsigned col = (kk % 4) * 32;
+        Wgmma<N, T>::ss(acc, sw128_desc(a_tile + (kk / 4) * 64 * 128 + col, 0),
+                        sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), kk > 0);
+    }
+}
+
+// acc (64 x N) += X Z with X (64 x ROWS) the T-rounded values of x (m16n8 layout, from
+// registers) and Z the ROWS-row tile z_tile read N-contiguous (transposed descriptor): 16
+// rows (2048 bytes) per step, 64-column groups ROWS * 128 bytes apart.
+template <int N, int ROWS, typename T>
+__device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
+                                           unsigned z_tile) {
+    unsigned a[ROWS / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; ++kk) {
+        a[kk][0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+        a[kk][1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+        a[kk][2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        a[kk][3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; ++kk)
+        Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, ROWS * 128), 1);
+}
+
+// Write a warp's 16 x (8*COLS8) float accumulator tile, times `mul`, to rows row0 + g and
+// row0 + g + 8 of a strided gradient; rows >= nrows and columns >= ncols (the pad) are not
+// written.
+template <int COLS8, typename G>
+__device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
+                                           long long row_stride, long long col_stride,
+                                           long long row0, long long nrows, long long ncols,
+                                           int lane, float mul) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = row0 + lane / 4 + 8 * h;
+        if (r >= nrows) continue;
+#pragma unroll
+        for (int d = 0; d < COLS8; ++d) {
+            const int c = 8 * d + 2 * (lane % 4);
+            if (c < ncols) out[r * row_stride + c * col_stride] = from_acc<G>(acc[d][2 * h] * mul);
+            if (c + 1 < ncols)
+                out[r * row_stride + (c + 1) * col_stride] = from_acc<G>(acc[d][2 * h + 1] * mul);
+        }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
+}
+
+}  // namespace
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
+          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {
+    constexpr int THREADS = 128, BLOCK_N = 64;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_M == 64 || BLOCK_M == 128),
+                  "wgmma shapes of wgmma.cuh");
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    T* k_s = reinterpret_cast<T*>(smem_raw);    // [64 x HEAD_DIM]
+    T* v_s = k_s + BLOCK_N * HEAD_DIM;          // [64 x HEAD_DIM_V]
+    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [2][BLOCK_M x HEAD_DIM]
+    T* do_s = q_s + 2 * Q_ELEMS;                // [2][BLOCK_M x HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(do_s + 2 * DO_ELEMS);  // [2][BLOCK_M], log2 units
+    float* delta_s = lse_s + 2 * BLOCK_M;                          // [2][BLOCK_M]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // heaviest key blocks first: under causal masking the first keys are seen by the most rows
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const long long n_block = blk.row_block, b = blk.b;
+    const long long n0 = n_block * BLOCK_N;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
+    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
+    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // query rows whose band reaches keys n0 .. n_last
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
+
+    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                   p.head_dim, Sw128<BLOCK_N>());
+    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
+                                                     p.seqlen_k - n0, p.head_dim_v,
+                                                     Sw128<BLOCK_N>());
+    // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
+    auto request_q = [&](long long m0, int st) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                       p.head_dim, Sw128<BLOCK_M>());
+        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M>());
+        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+            const long long r = m0 + i;
+            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
+                                                     : neg_inf<float>();
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+        }
+    };
+    if (m_lo < m_hi) request_q(m_lo, 0);
+    cp_async_commit();
+
+    float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
+    zero(dk);
+    zero(dv);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const ScoreConsts<float> consts(p);
+
+    int stage = 0;
+    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
+        if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();   // all but the group just issued have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores ...
+        __syncthreads();      // ... for every thread: K, V (first time), this query tile
+        const unsigned q_tile = q_base + stage * Q_ELEMS * 2, do_tile = do_base + stage * DO_ELEMS * 2;
+        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+        wgmma_fence();
+        product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile);
+        product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const float* lse_t = lse_s + stage * BLOCK_M;
+        const float* delta_t = delta_s + stage * BLOCK_M;
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
+                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts, m0 + col,
+                                   n0 + warp * 16 + lane / 4 + 8 * (e / 2), lse_t[col],
+                                   delta_t[col], interior, mask, bias);
+            }
+        // one product in flight at a time: its A fragments stay live until it completes
+        product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        product_rs<HEAD_DIM, BLOCK_M, T>(dk, dp, q_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    const long long row0 = n0 + warp * 16;
+    store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+               float(p.scale));
+    store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
+}
+
+template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
+          int BLOCK_N, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const AttnBwdParams bp) {
+    constexpr int THREADS = 128, BLOCK_M = 64;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh");
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);   // [64 x HEAD_DIM]
+    T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [64 x HEAD_DIM_V]
+    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [2][BLOCK_N x HEAD_DIM]
+    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N x HEAD_DIM_V]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
+    const long long m0 = m_block * BLOCK_M;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const T* dout = reinterpret_cast<const T*>(bp.dout) +
+                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
+    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // key tiles that the band reaches from rows m0 .. m_last
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
+
+    auto request_kv = [&](long long n0, int st) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim, Sw128<BLOCK_N>());
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
+                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v, Sw128<BLOCK_N>());
+    };
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                   p.head_dim, Sw128<BLOCK_M>());
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
+                                                     p.seqlen_q - m0, p.head_dim_v,
+                                                     Sw128<BLOCK_M>());
+    if (n_lo < n_hi) request_kv(n_lo, 0);
+    cp_async_commit();
+
+    // this lane's two rows (g and g + 8 of the warp's 16)
+    float lse_log2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+    float dq[HEAD_DIM / 8][4];
+    zero(dq);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const ScoreConsts<float> consts(p);
+
+    int stage = 0;
+    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
+        const unsigned k_tile = k_base + stage * K_ELEMS * 2, v_tile = v_base + stage * V_ELEMS * 2;
+        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+        wgmma_fence();
+        product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile);
+        product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts,
+                                   m0 + warp * 16 + lane / 4 + 8 * (e / 2),
+                                   n0 + 8 * j + 2 * (lane % 4) + e % 2, lse_log2[e / 2],
+                                   dl[e / 2], interior, mask, bias);
+        product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();
+
+    G* dq_out = reinterpret_cast<G*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+    store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
+               lane, float(p.scale));
+}
