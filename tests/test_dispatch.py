@@ -150,7 +150,7 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 
 def test_backward_families_and_tiles():
     assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
-    assert backward(BF16, 256).family == "mma"             # beyond the sm90 head dims
+    assert backward(BF16, 128).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
     assert choice.family == "mma" and choice.filename == "attention_backward_mma.cu"
@@ -193,14 +193,14 @@ def test_every_backward_candidate_fits_its_gpu():
 
 def test_sm90_backward_instances_and_shared_memory():
     # one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all columns in one block
-    choice = backward(BF16, 100)
+    choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
-                           "cuattn::NoBias, false, 128, 128, 64, true, 1>")
+                           "cuattn::NoBias, false, 64, 64, 64, true, 1>")
     assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
-                         "cuattn::NoBias, false, 128, 128, 64, true, 1>")
+                         "cuattn::NoBias, false, 64, 64, 64, true, 1>")
     assert choice.threads_dkdv == choice.threads_dq == 128
-    assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 128
-    assert choice.smem_dkdv == (64 * 256 + 2 * 64 * 256) * 2 + 2 * 2 * 64 * 4
-    assert choice.smem_dq == (64 + 2 * 64) * 256 * 2
+    assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 64
+    assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
+    assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")

@@ -1,16 +1,19 @@
-"""Tile sweep of the tensor-core backward (mma family): one GPU run, every candidate timed.
+"""Tile sweep of the tensor-core backward: one GPU run, every candidate timed.
 
-    PYTHONPATH=. python tools/sweep_backward.py
+    PYTHONPATH=. python tools/sweep_backward.py          # mma family
+    PYTHONPATH=. python tools/sweep_backward.py --sm90   # sm90 family (Hopper wgmma)
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
-for each MmaBwdTiles candidate; the winners go into cuattn/_dispatch.py
-(MMA_BACKWARD_TILES) with the measured reason. FLOPs: 2.5x the forward's.
+for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
+(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES) with the measured reason. FLOPs: 2.5x the
+forward's.
 """
 import math
+import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaBwdTiles
+from cuattn._dispatch import MmaBwdTiles, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.bench import _time
 
@@ -23,11 +26,20 @@ CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min bloc
 }
 
 
+S = Sm90BwdTiles
+SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM])
+    64: [S(64, 64), S(128, 64), S(64, 128), S(128, 128), S(64, 64, 2, 2)],
+    128: [S(64, 64), S(64, 128), S(128, 64)],
+}
+
+
 def main():
     import cuattn
+    table, family = ((SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv
+                     else (CANDIDATES, "mma"))
     s = 4096
     print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
-    for d, cands in CANDIDATES.items():
+    for d, cands in table.items():
         b, h = 16384 // s, 2048 // d
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype("bfloat16") for _ in range(3))
         for causal in (False, True):
@@ -38,7 +50,7 @@ def main():
                 label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(tiles=tiles, causal=causal, args=(dout, q, k, v, out, lse)):
-                        return _attention_backward(*args, causal=causal, kernel="mma",
+                        return _attention_backward(*args, causal=causal, kernel=family,
                                                    tiles=tiles)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"
