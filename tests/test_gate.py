@@ -32,3 +32,17 @@ def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="vector_add.cu"):
         compile_instance("vector_add.cu", "vector_add<float, 4>", "sm_90")
+
+
+def test_wgmma_wrappers_match_their_generator(capsys):
+    """cuda/wgmma.cuh is generated (tools/gen_wgmma.py): a hand edit or a stale copy fails."""
+    import importlib.util
+    from pathlib import Path
+
+    from cuattn._kernels import kernel_dir
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_wgmma", root / "tools" / "gen_wgmma.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.main()
+    assert capsys.readouterr().out == (kernel_dir() / "wgmma.cuh").read_text()
