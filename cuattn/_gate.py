@@ -52,9 +52,11 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
     """Compile one instance for ``arch`` (e.g. ``sm_90``); raise RuntimeError with the log
     on a compile error.
 
-    The compile runs on a thread with a 512 MB stack: ptxas inside NVRTC 13.0 overflowed
-    the usual 8 MB main-thread stack on the wgmma instances (attention_sm90.cu) and took
-    the process down with it."""
+    The compile runs on a thread with a 512 MB stack: NVRTC 13.0 crashed the process
+    (segmentation fault, a stack overflow: it compiled with ``ulimit -s unlimited``) on a
+    small wgmma test kernel compiled on the 8 MB main-thread stack. Every sm90 instance of
+    this build compiles there too (checked), so this only keeps such a crash from taking
+    the test process down."""
     outcome: dict = {}
 
     def run():
