@@ -8,7 +8,6 @@ bytes and stack frame per instance.
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,34 +49,7 @@ def cuda_include_dir() -> str | None:
 
 def compile_instance(filename: str, name_expression: str, arch: str) -> Resources:
     """Compile one instance for ``arch`` (e.g. ``sm_90``); raise RuntimeError with the log
-    on a compile error.
-
-    The compile runs on a thread with a 512 MB stack: NVRTC 13.0 crashed the process
-    (segmentation fault, a stack overflow: it compiled with ``ulimit -s unlimited``) on a
-    small wgmma test kernel compiled on the 8 MB main-thread stack. Every sm90 instance of
-    this build compiles there too (checked), so this only keeps such a crash from taking
-    the test process down."""
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = _compile(filename, name_expression, arch)
-        except BaseException as exc:  # re-raised on the caller's thread
-            outcome["error"] = exc
-
-    previous = threading.stack_size(512 << 20)
-    try:
-        worker = threading.Thread(target=run, name="nvrtc")
-        worker.start()
-    finally:
-        threading.stack_size(previous)
-    worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def _compile(filename: str, name_expression: str, arch: str) -> Resources:
+    on a compile error."""
     from cuda.bindings import nvrtc
 
     source = read_source(filename).encode()

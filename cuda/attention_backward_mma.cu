@@ -37,32 +37,6 @@
 using namespace cuattn;
 using namespace cuattn::mma;
 
-namespace {
-
-// Write a warp's 16 x (8*COLS8) float accumulator tile, times `mul`, to rows row0 + g and
-// row0 + g + 8 of a strided gradient; rows >= nrows and columns >= ncols (the pad) are not
-// written.
-template <int COLS8, typename G>
-__device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
-                                           long long row_stride, long long col_stride,
-                                           long long row0, long long nrows, long long ncols,
-                                           int lane, float mul) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = row0 + lane / 4 + 8 * h;
-        if (r >= nrows) continue;
-#pragma unroll
-        for (int d = 0; d < COLS8; ++d) {
-            const int c = 8 * d + 2 * (lane % 4);
-            if (c < ncols) out[r * row_stride + c * col_stride] = from_acc<G>(acc[d][2 * h] * mul);
-            if (c + 1 < ncols)
-                out[r * row_stride + (c + 1) * col_stride] = from_acc<G>(acc[d][2 * h + 1] * mul);
-        }
-    }
-}
-
-}  // namespace
-
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
           int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)

@@ -27,90 +27,13 @@
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
 //             cuattn/_dispatch.py::sm90_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
-#include "mma_tiles.cuh"
-#include "wgmma.cuh"
+#include "sm90_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
 using namespace cuattn::sm90;
 
 namespace {
-
-// Element offset of (row, col) in a ROWS-row tile in the 128-byte-swizzle layout
-// (attention_sm90.cu).
-template <int ROWS> struct Sw128 {
-    __device__ __forceinline__ int operator()(int row, int col) const {
-        return (col >> 6) * ROWS * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
-               (col & 7);
-    }
-};
-
-// Matrix descriptor of a 128-byte-swizzled operand (attention_sm90.cu).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
-    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
-           (static_cast<unsigned long long>(lbo >> 4) << 16) |
-           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// acc (64 x N per warpgroup) = A B^T over CONTRACT columns, A (64 rows) and B (N rows) both
-// K-contiguous tiles in shared memory: 16 columns (32 bytes) per step inside a 64-column
-// group; groups 64 * 128 bytes (A) and N * 128 bytes (B) apart.
-template <int N, int CONTRACT, typename T>
-__device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_tile,
-                                           unsigned b_tile) {
-#pragma unroll
-    for (int kk = 0; kk < CONTRACT / 16; ++kk) {
-        const unsigned col = (kk % 4) * 32;
-        Wgmma<N, T>::ss(acc, sw128_desc(a_tile + (kk / 4) * 64 * 128 + col, 0),
-                        sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), kk > 0);
-    }
-}
-
-// acc (64 x N) += X Z with X (64 x ROWS) the T-rounded values of x (m16n8 layout, from
-// registers) and Z the ROWS-row tile z_tile read N-contiguous (transposed descriptor): 16
-// rows (2048 bytes) per step, 64-column groups ROWS * 128 bytes apart.
-template <int N, int ROWS, typename T>
-__device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
-                                           unsigned z_tile) {
-    unsigned a[ROWS / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < ROWS / 16; ++kk) {
-        a[kk][0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
-        a[kk][1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
-        a[kk][2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-        a[kk][3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < ROWS / 16; ++kk)
-        Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, ROWS * 128), 1);
-}
-
-// Write a warp's 16 x (8*COLS8) float accumulator tile, times `mul`, to rows row0 + g and
-// row0 + g + 8 of a strided gradient; rows >= nrows and columns >= ncols (the pad) are not
-// written.
-template <int COLS8, typename G>
-__device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
-                                           long long row_stride, long long col_stride,
-                                           long long row0, long long nrows, long long ncols,
-                                           int lane, float mul) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = row0 + lane / 4 + 8 * h;
-        if (r >= nrows) continue;
-#pragma unroll
-        for (int d = 0; d < COLS8; ++d) {
-            const int c = 8 * d + 2 * (lane % 4);
-            if (c < ncols) out[r * row_stride + c * col_stride] = from_acc<G>(acc[d][2 * h] * mul);
-            if (c + 1 < ncols)
-                out[r * row_stride + (c + 1) * col_stride] = from_acc<G>(acc[d][2 * h + 1] * mul);
-        }
-    }
-}
 
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {

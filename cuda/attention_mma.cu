@@ -128,38 +128,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
-    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+    // Normalise and store (mma_softmax.cuh)
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float row_l = l[mt][h];
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
-        const long long r = m0 + warp * WARP_M + mt * 16 + lane / 4 + 8 * h;
-        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
-        const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
-        T* out_row = out + r * p.out_s.row;
-        // columns 2t and 2t+1 of each 8-column tile: one 4-byte store when they are adjacent
-        // in memory and aligned (Dv even), else two element stores
-        const bool pairs = p.out_s.col == 1 && p.head_dim_v % 2 == 0 &&
-                           (reinterpret_cast<unsigned long long>(out_row) % 4) == 0;
-#pragma unroll
-        for (int d = 0; d < DV_TILES; ++d) {
-            const int c = 8 * d + 2 * (lane % 4);
-            if (c >= p.head_dim_v) continue;  // columns of the zero pad
-            const float x0 = o[mt][d][2 * h] * inv_l, x1 = o[mt][d][2 * h + 1] * inv_l;
-            if (pairs) {
-                *reinterpret_cast<unsigned*>(out_row + c) = pack2<T>(x0, x1);
-            } else {
-                out_row[c * p.out_s.col] = from_acc<T>(x0);
-                if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = from_acc<T>(x1);
-            }
-        }
-        if (p.lse && lane % 4 == 0) {
-            float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = row_l == 0.f ? neg_inf<float>() : m[mt][h] * float(LN2) + logf(row_l);
-        }
-    }
+        store_rows<T, DV_TILES>(o[mt], l[mt], m[mt], p, b, m0 + warp * WARP_M + mt * 16, lane);
 }

@@ -25,39 +25,11 @@
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
 //             or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
-#include "mma_tiles.cuh"
-#include "wgmma.cuh"
+#include "sm90_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
 using namespace cuattn::sm90;
-
-namespace {
-
-// Element offset of (row, col) in a ROWS-row tile in the 128-byte-swizzle layout.
-template <int ROWS> struct Sw128 {
-    __device__ __forceinline__ int operator()(int row, int col) const {
-        return (col >> 6) * ROWS * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
-               (col & 7);
-    }
-};
-
-// Matrix descriptor of a 128-byte-swizzled operand at shared address `addr`: leading byte
-// offset `lbo` (between 64-column groups of an N-contiguous operand; unused when K is
-// contiguous), stride byte offset 1024 (between groups of eight 128-byte rows).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo) {
-    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
-           (static_cast<unsigned long long>(lbo >> 4) << 16) |
-           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// Generic-proxy writes (cp.async, plain stores) to shared memory become visible to the
-// tensor cores' async proxy after this fence (then a barrier orders them for other threads).
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-}  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
           int NUM_WG, bool ALIGNED, int MIN_BLOCKS>
@@ -66,8 +38,6 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
-    // V descriptor: byte offset between 64-column groups of the N-contiguous V tile
-    constexpr unsigned V_LBO = BLOCK_N * 128;
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -134,18 +104,10 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         fence_proxy_async();  // ... are visible to the tensor cores ...
         __syncthreads();      // ... for every thread: Q (first time), this tile's K and V
 
-        // S = Q K^T: K-contiguous operands, 16 columns (32 bytes) per step inside a
-        // 64-column group, groups of 64 rows * 128 bytes (Q) or BLOCK_N * 128 bytes (K)
+        // S = Q K^T, both operands K-contiguous in shared memory
         float s[BLOCK_N / 8][4];
-        const unsigned k_tile = k_base + stage * K_ELEMS * 2;
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const unsigned col = (kk % 4) * 32;
-            Wgmma<BLOCK_N, T>::ss(s,
-                                  sw128_desc(q_base + (kk / 4) * 64 * 128 + col, 0),
-                                  sw128_desc(k_tile + (kk / 4) * BLOCK_N * 128 + col, 0), kk > 0);
-        }
+        product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_base + stage * K_ELEMS * 2);
         wgmma_commit();
         wgmma_wait<0>();
 
@@ -155,55 +117,14 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 
-        // O += P V: 16 keys per step, P from registers (the A fragment of the warp's rows),
-        // V N-contiguous: 16 keys = 2048 bytes per step, 64-column groups BLOCK_N * 128 apart
-        const unsigned v_tile = v_base + stage * V_ELEMS * 2;
-        unsigned pa[BLOCK_N / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<HEAD_DIM_V, T>::rs(o, pa[kk], sw128_desc(v_tile + kk * 16 * 128, V_LBO), 1);
+        // O += P V: P from registers (the A fragments of the warp's rows), V read
+        // N-contiguous through a transposed descriptor
+        product_rs<HEAD_DIM_V, BLOCK_N, T>(o, s, v_base + stage * V_ELEMS * 2);
         wgmma_commit();
         wgmma_wait<0>();
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
-    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float row_l = l[h];
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
-        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
-        const long long r = row0 + lane / 4 + 8 * h;
-        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
-        const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
-        T* out_row = out + r * p.out_s.row;
-        const bool pairs = p.out_s.col == 1 && p.head_dim_v % 2 == 0 &&
-                           (reinterpret_cast<unsigned long long>(out_row) % 4) == 0;
-#pragma unroll
-        for (int d = 0; d < DV_TILES; ++d) {
-            const int c = 8 * d + 2 * (lane % 4);
-            if (c >= p.head_dim_v) continue;  // columns of the zero pad
-            const float x0 = o[d][2 * h] * inv_l, x1 = o[d][2 * h + 1] * inv_l;
-            if (pairs) {
-                *reinterpret_cast<unsigned*>(out_row + c) = pack2<T>(x0, x1);
-            } else {
-                out_row[c * p.out_s.col] = from_acc<T>(x0);
-                if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = from_acc<T>(x1);
-            }
-        }
-        if (p.lse && lane % 4 == 0) {
-            float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = row_l == 0.f ? neg_inf<float>() : m[h] * float(LN2) + logf(row_l);
-        }
-    }
+    store_rows<T, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store (mma_softmax.cuh)
 }

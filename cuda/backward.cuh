@@ -1,8 +1,9 @@
 // backward.cuh -- the element-wise part of the attention backward, shared by its kernel
-// families (attention_backward_portable.cu, attention_backward_mma.cu): rebuilding P and dS
-// from a raw score, the forward's lse and delta; the interior-tile test; and the first
-// kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq rows, one
-// warp per row).
+// families (attention_backward_portable.cu, attention_backward_mma.cu,
+// attention_backward_sm90.cu): rebuilding P and dS from a raw score, the forward's lse and
+// delta; the interior-tile test; the gradient-tile store of the tensor-core kernels; and
+// the first kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
+// rows, one warp per row).
 #pragma once
 
 #include "common.cuh"
@@ -59,6 +60,29 @@ __device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long 
     return r1 < p.seqlen_q && c1 < p.seqlen_k &&
            (p.window_left < 0 || c0 >= r1 + off - p.window_left) &&
            (p.window_right < 0 || c1 <= r0 + off + p.window_right);
+}
+
+// Write a warp's 16 x (8*COLS8) float accumulator tile of a tensor-core backward (m16n8
+// layout: lane g = lane/4, t = lane%4 holds rows g, g+8 and columns 2t, 2t+1 of each
+// 8-column tile), times `mul`, to rows row0 + g and row0 + g + 8 of a strided gradient;
+// rows >= nrows and columns >= ncols (the pad) are not written.
+template <int COLS8, typename G>
+__device__ __forceinline__ void store_tile(const float (&acc)[COLS8][4], G* out,
+                                           long long row_stride, long long col_stride,
+                                           long long row0, long long nrows, long long ncols,
+                                           int lane, float mul) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = row0 + lane / 4 + 8 * h;
+        if (r >= nrows) continue;
+#pragma unroll
+        for (int d = 0; d < COLS8; ++d) {
+            const int c = 8 * d + 2 * (lane % 4);
+            if (c < ncols) out[r * row_stride + c * col_stride] = from_acc<G>(acc[d][2 * h] * mul);
+            if (c + 1 < ncols)
+                out[r * row_stride + (c + 1) * col_stride] = from_acc<G>(acc[d][2 * h + 1] * mul);
+        }
+    }
 }
 
 }  // namespace cuattn

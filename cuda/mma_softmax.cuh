@@ -1,12 +1,14 @@
 // mma_softmax.cuh -- the forward's score transform and online softmax in the m16n8
 // accumulator layout (lane g = lane/4, t = lane%4 holds rows g, g+8 and columns 2t, 2t+1 of
 // each 8-column tile), shared by the tensor-core forwards: attention_mma.cu (16-bit inputs,
-// m16n8k16) and attention_mma_wide.cu (float32 through TF32, m16n8k8; float64 through DMMA,
-// m16n8k8), whose accumulators have the same layout. A is the accumulator type: float, or
-// double for float64 inputs.
+// m16n8k16), attention_sm90.cu (16-bit inputs, wgmma) and attention_mma_wide.cu (float32
+// through TF32, m16n8k8; float64 through DMMA, m16n8k8), whose accumulators have the same
+// layout; store_rows ends the 16-bit forwards. A is the accumulator type: float, or double
+// for float64 inputs.
 #pragma once
 
 #include "common.cuh"
+#include "mma_tiles.cuh"
 
 namespace cuattn {
 namespace mma {
@@ -122,6 +124,47 @@ __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[
             }
         // the quad's partial sums are combined once, at the end (l is per lane until then)
         l[h] += tile_sum;
+    }
+}
+
+// The end of the online softmax for one 16-row tile of a warp with 16-bit output: out =
+// acc / l and lse = m ln 2 + log l for rows row0 + g and row0 + g + 8, after the quad's
+// partial row sums are combined; a row with no allowed key gives out 0 and lse -inf
+// (API.md 6). Rows past seqlen_q and the columns of the zero pad are not written.
+template <typename T, int DV_TILES>
+__device__ __forceinline__ void store_rows(const float (&o)[DV_TILES][4], const float (&l)[2],
+                                           const float (&m)[2], const AttnParams& p,
+                                           long long b, long long row0, int lane) {
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float row_l = l[h];
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);  // the quad's partial row sums
+        row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+        const long long r = row0 + lane / 4 + 8 * h;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
+        T* out_row = out + r * p.out_s.row;
+        // columns 2t and 2t+1 of each 8-column tile: one 4-byte store when they are adjacent
+        // in memory and aligned (Dv even), else two element stores
+        const bool pairs = p.out_s.col == 1 && p.head_dim_v % 2 == 0 &&
+                           (reinterpret_cast<unsigned long long>(out_row) % 4) == 0;
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d) {
+            const int c = 8 * d + 2 * (lane % 4);
+            if (c >= p.head_dim_v) continue;  // columns of the zero pad
+            const float x0 = o[d][2 * h] * inv_l, x1 = o[d][2 * h + 1] * inv_l;
+            if (pairs) {
+                *reinterpret_cast<unsigned*>(out_row + c) = pack2<T>(x0, x1);
+            } else {
+                out_row[c * p.out_s.col] = from_acc<T>(x0);
+                if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = from_acc<T>(x1);
+            }
+        }
+        if (p.lse && lane % 4 == 0) {
+            float* lse = reinterpret_cast<float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = row_l == 0.f ? neg_inf<float>() : m[h] * float(LN2) + logf(row_l);
+        }
     }
 }
 
