@@ -19,7 +19,7 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
-           "MmaTiles", "SM90_TILES", "Sm90Tiles",
+           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES", "sm90_tf32_smem_bytes",
            "sm90_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
@@ -61,6 +61,10 @@ FAMILIES = (
            archs=((9, 0),)),
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
+    Family("sm90_tf32", "attention_sm90_tf32.cu", (9, 0), ("float32",), 128,
+           "float32 with precision='tf32' on Hopper warpgroup MMA (wgmma .tf32, sm_90a), head "
+           "dims to 128 (registers and shared memory of the float tiles); sm_90a code runs on "
+           "sm_90 only", precisions=("tf32",), archs=((9, 0),)),
     Family("mma_f32", "attention_mma_wide.cu", (8, 0), ("float32",), 256,
            "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
            "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.0x",
@@ -295,6 +299,40 @@ def _sm90(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool
                         threads=tiles.num_warps * 32)
 
 
+#: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
+SM90_TF32_TILES = (
+    (64, (Sm90Tiles(128, 128), Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
+     "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32): two "
+     "warpgroups with 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), 64-key "
+     "134.4 / 120.5, three 134.1 / 115.8, one 100.4 / 95.1; four warpgroups 153.8 / 127.0 but "
+     "capped at 128 registers they spill 164 bytes"),
+    (128, (Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
+     "H200 fp32 tf32 D128: two warpgroups with 64-key tiles (192 KB) 166.2 / 152.1, three "
+     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2"),
+)
+
+
+def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90_tf32 (see the .cu header)."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 4
+
+
+def _sm90_tf32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
+               smem_limit: int, tiles: Sm90Tiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_TF32_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_tf32_smem_bytes(t, hd, hdv),
+                             smem_limit, "sm90_tf32", f"head dims {head_dim}, {head_dim_v}")
+    expr = (f"attention_fwd_sm90_tf32<{_bias_type(bias_dtype)}, {str(has_mask).lower()}, "
+            f"{hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 64}, {str(aligned).lower()}, "
+            f"{tiles.min_blocks}>")
+    return KernelChoice("sm90_tf32", "attention_sm90_tf32.cu", expr,
+                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.num_warps * 32)
+
+
 def mma_aligned(call: AttentionCall) -> bool:
     """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
     chunks? Unit column strides, every other
@@ -422,6 +460,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
         if family.name == "sm90":
             return _sm90(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                          smem_limit, tiles)
+        if family.name == "sm90_tf32":
+            return _sm90_tf32(head_dim, head_dim_v, bias_dtype, has_mask, aligned, smem_limit,
+                              tiles)
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)

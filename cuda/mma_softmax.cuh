@@ -3,8 +3,9 @@
 // each 8-column tile), shared by the tensor-core forwards: attention_mma.cu (16-bit inputs,
 // m16n8k16), attention_sm90.cu (16-bit inputs, wgmma) and attention_mma_wide.cu (float32
 // through TF32, m16n8k8; float64 through DMMA, m16n8k8), whose accumulators have the same
-// layout; store_rows ends the 16-bit forwards. A is the accumulator type: float, or double
-// for float64 inputs.
+// layout; store_rows ends the forwards with float accumulators and output T (16-bit, or
+// float in attention_sm90_tf32.cu). A is the accumulator type: float, or double for float64
+// inputs.
 #pragma once
 
 #include "common.cuh"
@@ -127,7 +128,16 @@ __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[
     }
 }
 
-// The end of the online softmax for one 16-row tile of a warp with 16-bit output: out =
+// Two adjacent output elements, 2 * sizeof(T)-byte aligned: one store.
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float x0, float x1) {
+    if constexpr (is_same_v<T, float>)
+        *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
+    else
+        *reinterpret_cast<unsigned*>(dst) = pack2<T>(x0, x1);
+}
+
+// The end of the online softmax for one 16-row tile of a warp with output T: out =
 // acc / l and lse = m ln 2 + log l for rows row0 + g and row0 + g + 8, after the quad's
 // partial row sums are combined; a row with no allowed key gives out 0 and lse -inf
 // (API.md 6). Rows past seqlen_q and the columns of the zero pad are not written.
@@ -145,17 +155,17 @@ __device__ __forceinline__ void store_rows(const float (&o)[DV_TILES][4], const 
         if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
         const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;
         T* out_row = out + r * p.out_s.row;
-        // columns 2t and 2t+1 of each 8-column tile: one 4-byte store when they are adjacent
-        // in memory and aligned (Dv even), else two element stores
+        // columns 2t and 2t+1 of each 8-column tile: one store when they are adjacent in
+        // memory and aligned (Dv even), else two element stores
         const bool pairs = p.out_s.col == 1 && p.head_dim_v % 2 == 0 &&
-                           (reinterpret_cast<unsigned long long>(out_row) % 4) == 0;
+                           (reinterpret_cast<unsigned long long>(out_row) % (2 * sizeof(T))) == 0;
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d) {
             const int c = 8 * d + 2 * (lane % 4);
             if (c >= p.head_dim_v) continue;  // columns of the zero pad
             const float x0 = o[d][2 * h] * inv_l, x1 = o[d][2 * h + 1] * inv_l;
             if (pairs) {
-                *reinterpret_cast<unsigned*>(out_row + c) = pack2<T>(x0, x1);
+                store_pair(out_row + c, x0, x1);
             } else {
                 out_row[c * p.out_s.col] = from_acc<T>(x0);
                 if (c + 1 < p.head_dim_v) out_row[(c + 1) * p.out_s.col] = from_acc<T>(x1);

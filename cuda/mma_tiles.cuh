@@ -127,6 +127,29 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
     }
 }
 
+// f(offset) for each 16-byte chunk that load_tile<ROWS, COLS, THREADS, ALIGNED> (same
+// arguments) assigns to the calling thread, offset = at(row, col) of the chunk's first
+// element: the same thread-to-chunk mapping, so a thread can post-process what it copied
+// itself once its copies have landed (cp_async_wait), with no barrier.
+template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At, typename F>
+__device__ __forceinline__ void for_own_chunks(At at, F f) {
+    constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
+    if constexpr (ALIGNED) {
+        constexpr int ROW_STEP = THREADS / CHUNKS;
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
+#pragma unroll
+        for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
+            const int r = r0 + i * ROW_STEP;
+            if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
+            f(at(r, c));
+        }
+    } else {
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS)
+            f(at(idx / CHUNKS, (idx % CHUNKS) * CHUNK));
+    }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {

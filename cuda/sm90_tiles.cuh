@@ -1,14 +1,18 @@
 // sm90_tiles.cuh -- the warpgroup-MMA (wgmma, sm_90a) tile machinery shared by the Hopper
-// kernels (attention_sm90.cu, the forward; attention_backward_sm90.cu, the backward).
+// kernels (attention_sm90.cu and attention_sm90_tf32.cu, the forwards;
+// attention_backward_sm90.cu, the backward).
 //
-// Operand tiles are 16-bit (T = __half or __nv_bfloat16) in shared memory, in the canonical
-// 128-byte-swizzle layout of wgmma: 64-column groups stored one after another, each group's
-// rows 128 bytes apart with 16-byte chunk c of row r at chunk c ^ (r % 8); tiles start
-// 1024-byte aligned. A warpgroup's accumulators (64 x N, float) have the m16n8 layout of
-// mma.sync in each of its four warps (wgmma.cuh), so the tensor-core softmax and the
-// backward's element-wise rule run on them unchanged.
+// Operand tiles are 16-bit (T = __half or __nv_bfloat16) or float (read as TF32) in shared
+// memory, in the canonical 128-byte-swizzle layout of wgmma: column groups of 128 bytes (64
+// 16-bit or 32 float columns) stored one after another, each group's rows 128 bytes apart
+// with 16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned. A
+// warpgroup's accumulators (64 x N, float) have the m16n8 layout of mma.sync in each of its
+// four warps (wgmma.cuh), so the tensor-core softmax and the backward's element-wise rule
+// run on them unchanged.
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
+//   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
+//               makes them from accumulators, contraction permuted), B K-contiguous
 #pragma once
 
 #include "mma_tiles.cuh"
@@ -17,11 +21,14 @@
 namespace cuattn {
 namespace sm90 {
 
-// Element offset of (row, col) in a ROWS-row tile in the 128-byte-swizzle layout.
-template <int ROWS> struct Sw128 {
+// Element offset of (row, col) in a ROWS-row tile of ELEM-byte elements in the
+// 128-byte-swizzle layout: W = 128 / ELEM columns per group, C = 16 / ELEM per chunk.
+template <int ROWS, int ELEM = 2> struct Sw128 {
+    static_assert(ELEM == 2 || ELEM == 4, "16-bit or 32-bit elements");
+    static constexpr int LOG_W = ELEM == 2 ? 6 : 5, LOG_C = LOG_W - 3, W = 1 << LOG_W;
     __device__ __forceinline__ int operator()(int row, int col) const {
-        return (col >> 6) * ROWS * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
-               (col & 7);
+        return (col >> LOG_W) * ROWS * W + row * W +
+               ((((col >> LOG_C) & 7) ^ (row & 7)) << LOG_C) + (col & ((1 << LOG_C) - 1));
     }
 };
 
@@ -41,14 +48,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 // acc (64 x N per warpgroup) = A B^T over CONTRACT columns, A (64 rows) and B (N rows) both
-// K-contiguous tiles in shared memory: 16 columns (32 bytes) per step inside a 64-column
-// group; groups 64 * 128 bytes (A) and N * 128 bytes (B) apart. Issues only: the caller
-// fences before and commits and waits after.
+// K-contiguous tiles in shared memory: 32 bytes of columns per step (16 of 16-bit T, 8 of
+// TF32) inside a 128-byte column group; groups 64 * 128 bytes (A) and N * 128 bytes (B)
+// apart. Issues only: the caller fences before and commits and waits after.
 template <int N, int CONTRACT, typename T>
 __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_tile,
                                            unsigned b_tile) {
 #pragma unroll
-    for (int kk = 0; kk < CONTRACT / 16; ++kk) {
+    for (int kk = 0; kk < CONTRACT * (int)sizeof(T) / 32; ++kk) {
         const unsigned col = (kk % 4) * 32;
         Wgmma<N, T>::ss(acc, sw128_desc(a_tile + (kk / 4) * 64 * 128 + col, 0),
                         sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), kk > 0);
@@ -74,6 +81,53 @@ __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (
 #pragma unroll
     for (int kk = 0; kk < ROWS / 16; ++kk)
         Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, ROWS * 128), 1);
+}
+
+// TF32 operand: x rounded to nearest (ties away), the bits a TF32 instruction reads.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// Where key n sits along the contraction of P V in product_rs_tf32 when P's fragments come
+// from tf32_fragments: within each group of eight, key 2t at position t and key 2t + 1 at
+// position t + 4.
+__device__ __forceinline__ int tf32_key_position(int n) {
+    return (n & ~7) | ((n & 1) << 2) | ((n & 7) >> 1);
+}
+
+// acc (64 x N) (+)= A B^T for TF32 with A (64 x CONTRACT) in registers -- a[kk] the
+// m16n8k8 A fragment of the warp's 16 rows for contraction columns 8kk .. 8kk + 7 -- and B
+// the N-row tile b_tile, K-contiguous (32-column groups N * 128 bytes apart): 8 columns (32
+// bytes) per step. scale_d = 0 on the first step overwrites acc. Fences and issues; the
+// caller commits and waits.
+template <int N, int CONTRACT>
+__device__ __forceinline__ void product_rs_tf32(float (&acc)[N / 8][4],
+                                                const unsigned (&a)[CONTRACT / 8][4],
+                                                unsigned b_tile, bool accumulate) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < CONTRACT / 8; ++kk)
+        Wgmma<N, float>::rs(acc, a[kk], sw128_desc(b_tile + (kk / 4) * N * 128 + (kk % 4) * 32, 0),
+                            accumulate || kk > 0);
+}
+
+// The A fragments of X (64 x ROWS, m16n8 accumulator layout, float registers) for
+// product_rs_tf32, rounded to TF32 with the contraction permuted: lane t holds a row's
+// columns 2t, 2t + 1 of each 8-column tile, the A fragment wants k = t, t + 4 there, so
+// column 2t goes to k = t and 2t + 1 to k = t + 4 (tf32_key_position); B's rows must be
+// stored in the same order.
+template <int ROWS>
+__device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
+                                               const float (&x)[ROWS / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 8; ++kk) {
+        a[kk][0] = to_tf32(x[kk][0]);  // (row g, k = t): column 2t
+        a[kk][1] = to_tf32(x[kk][2]);  // (row g + 8, k = t)
+        a[kk][2] = to_tf32(x[kk][1]);  // (row g, k = t + 4): column 2t + 1
+        a[kk][3] = to_tf32(x[kk][3]);  // (row g + 8, k = t + 4)
+    }
 }
 
 }  // namespace sm90

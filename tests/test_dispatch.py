@@ -34,7 +34,9 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F16, 64, gpu=((10, 0), 232448)).family == "mma"
     assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
     assert forward(F32, 128).family == "portable"         # "highest" stays exact
-    assert forward(F32, 128, precision="tf32").family == "mma_f32"
+    assert forward(F32, 128, precision="tf32").family == "sm90_tf32"  # Hopper: wgmma
+    assert forward(F32, 256, precision="tf32").family == "mma_f32"    # beyond sm90_tf32
+    assert forward(F32, 128, gpu=A100, precision="tf32").family == "mma_f32"
     assert forward(F32, 512, precision="tf32").family == "portable"
     assert forward(F64, 64).family == "mma_f64"            # FP64 tensor cores
     assert forward(F64, 64, gpu=A100).family == "mma_f64"
@@ -45,6 +47,22 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F32, 64, forced="mma_f32") is None     # precision "highest"
     assert forward(F64, 64, forced="mma") is None
     assert forward(F32, 64, forced="sm90", precision="tf32") is None
+
+
+def test_sm90_tf32_instances_and_shared_memory():
+    # float32 "tf32" on Hopper: head dims padded to 64; Q rows, two stages of K, the V
+    # staging tile and V^T, all float
+    choice = forward(F32, 100, precision="tf32")
+    assert choice.family == "sm90_tf32"
+    assert choice.name_expression == (
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
+    assert choice.threads == 256 and choice.tiles.block_m == 128
+    assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
+    assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
+    d64 = forward(F32, 64, precision="tf32")
+    assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
+    assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
+    assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
 
 
 def test_sm90_instances_and_shared_memory():
@@ -66,16 +84,16 @@ def test_sm90_instances_and_shared_memory():
 
 
 def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
-    choice = forward(F32, 40, precision="tf32")
+    choice = forward(F32, 40, forced="mma_f32", precision="tf32")
     assert ("attention_fwd_mma_wide<float, cuattn::NoBias, false, 64, 64,"
             in choice.name_expression)
     for gpu in (H200, A100, SM86):
         for head in (32, 64, 128, 256):
-            choice = forward(F32, head, gpu=gpu, precision="tf32")
+            choice = forward(F32, head, gpu=gpu, forced="mma_f32", precision="tf32")
             assert choice.family == "mma_f32" and choice.shared_mem <= gpu[1]
     # the H200's D64 row: 128 rows as 4 warps x 2 row tiles; shared memory is the kernel's
     # Q pair rows (pitch 2 HEAD_DIM + 16 floats) and two stages of K and V
-    choice = forward(F32, 64, precision="tf32")
+    choice = forward(F32, 64, forced="mma_f32", precision="tf32")
     assert choice.name_expression.endswith(", 64, 64, 64, 4, 2, 1, true>")
     assert choice.threads == 128 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (64 * (2 * 64 + 16) + 2 * 64 * (64 + 8) + 2 * 64 * (64 + 4))

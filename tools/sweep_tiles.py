@@ -6,9 +6,11 @@
     PYTHONPATH=. python tools/sweep_tiles.py --sm90   # sm90 family (Hopper wgmma)
     PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
     PYTHONPATH=. python tools/sweep_tiles.py --f32    # mma_f32 family (float32 "tf32")
+    PYTHONPATH=. python tools/sweep_tiles.py --sm90-tf32  # sm90_tf32 family (Hopper, "tf32")
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
-cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES) with the
+cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
+SM90_TILES, SM90_TF32_TILES) with the
 measured reason.
 """
 import math
@@ -49,6 +51,12 @@ SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
                        Sm90Tiles(64, 128)],
     ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 64)],
 }
+SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(64, 64), Sm90Tiles(128, 128),
+                      Sm90Tiles(192, 64), Sm90Tiles(256, 64)],
+    ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(192, 64), Sm90Tiles(192, 32),
+                       Sm90Tiles(128, 32)],
+}
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
                       MmaTiles(32, 32)],
@@ -59,11 +67,12 @@ F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
 def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
     table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
+                     (SM90_TF32_CANDIDATES, "sm90_tf32") if "--sm90-tf32" in sys.argv else
                      (SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv else
                      (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
                      (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
                      (CANDIDATES, "portable"))
-    extra = {"precision": "tf32"} if family == "mma_f32" else {}
+    extra = {"precision": "tf32"} if family in ("mma_f32", "sm90_tf32") else {}
     dtypes = [a for a in sys.argv[1:] if not a.startswith("--")]  # e.g. float32: only those
     for (dtype, d), cands in table.items():
         if dtypes and dtype not in dtypes:

@@ -1,0 +1,204 @@
+// attention_sm90_tf32.cu -- float32 attention forward with precision="tf32" on Hopper
+// (sm_90a: wgmma .tf32).
+//
+// Computes:   the same function as attention_mma_wide.cu with T = float and
+//             precision="tf32" (API.md semantics; reference
+//             cuattn/reference.py::attention_reference; yardstick naive_attention with the
+//             same roundings): the operands of both products (q, k, P, v) are rounded to
+//             TF32 (to nearest, cvt.rna) on chip. The instruction itself would truncate (it
+//             ignores the low 13 bits); truncating K missed the accuracy rule by up to 1.8x
+//             (docs/kernels.rst). Score transform and online softmax as the other
+//             tensor-core forwards (mma_softmax.cuh), float32 throughout.
+// Layout:     AttnParams (common.cuh) with element strides; ALIGNED instances need unit
+//             column strides, 16-byte aligned rows and D, Dv multiples of 4 (checked in
+//             Python); the others load element by element.
+// Ownership:  a block of NUM_WG warpgroups owns BLOCK_M = 64 * NUM_WG query rows of one
+//             batch entry and all Dv columns; warpgroup w owns rows 64w .. 64w + 63 and its
+//             warp v rows 64w + 16v .. + 15 of every accumulator tile.
+// Algorithm:  per tile of BLOCK_N keys: S = Q K^T by HEAD_DIM / 8 wgmma steps (Q, K in
+//             shared memory, rounded to TF32 in place); while they run, the block
+//             transposes the tile of V into V^T (TF32 takes both operands K-contiguous, and V
+//             arrives key-major) with its keys at tf32_key_position (sm90_tiles.cuh), so that
+//             P goes from the score accumulators into the A fragments of O += P V without
+//             shuffles; then the softmax, and O += P V by BLOCK_N / 8 steps with P from
+//             registers. K tiles arrive by cp.async one tile ahead into two stages, and each
+//             thread rounds the chunks it copied itself while the P V steps run; a V tile
+//             arrives into one staging buffer, requested as soon as the previous one is
+//             transposed. Q as register fragments (S by the register form) was tried: ptxas
+//             gave P's fragments the registers of the loop-invariant Q fragments without
+//             restoring them (wrong results; docs/kernels.rst).
+// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
+//             two stages of K, the V staging tile and V^T, every tile in the 128-byte-swizzle
+//             layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
+//             cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
+// Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
+//             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
+#include "mma_softmax.cuh"
+#include "sm90_tiles.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+using namespace cuattn::sm90;
+
+namespace {
+
+// Round to TF32 in place the chunks of a ROWS-row tile (K, or Q) that this thread copied
+// (for_own_chunks).
+template <int ROWS, int COLS, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void round_own_tf32(float* tile) {
+    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<ROWS, 4>(), [&](int at) {
+        float4* c = reinterpret_cast<float4*>(tile + at);
+        float4 x = *c;
+        x.x = __uint_as_float(to_tf32(x.x));
+        x.y = __uint_as_float(to_tf32(x.y));
+        x.z = __uint_as_float(to_tf32(x.z));
+        x.w = __uint_as_float(to_tf32(x.w));
+        *c = x;
+    });
+}
+
+// V^T (HEAD_DIM_V rows, keys K-contiguous at tf32_key_position) from the staged V tile
+// (BLOCK_N key rows), rounded to TF32. A warp moves 16 keys x 8 columns per step: lane
+// (n = lane % 16, h = lane / 16) reads 4 columns of key n (one 16-byte load; eight
+// consecutive keys hit eight distinct chunks) and writes them to 4 rows of V^T; rows
+// 4h + e of the two half-warps differ in bit 2 of the swizzle, so the 32 scalar stores of
+// a step hit 32 distinct banks.
+template <int BLOCK_N, int HEAD_DIM_V, int THREADS>
+__device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
+    constexpr int KEY_BLOCKS = BLOCK_N / 16, STEPS = KEY_BLOCKS * HEAD_DIM_V / 8;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n_in = lane % 16, h = lane / 16;
+#pragma unroll 4
+    for (int u = warp; u < STEPS; u += THREADS / 32) {
+        const int n = (u % KEY_BLOCKS) * 16 + n_in, c = (u / KEY_BLOCKS) * 8 + 4 * h;
+        const float4 x = *reinterpret_cast<const float4*>(vs + Sw128<BLOCK_N, 4>()(n, c));
+        const int pos = tf32_key_position(n);
+        vt[Sw128<HEAD_DIM_V, 4>()(c, pos)] = __uint_as_float(to_tf32(x.x));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 1, pos)] = __uint_as_float(to_tf32(x.y));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 2, pos)] = __uint_as_float(to_tf32(x.z));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 3, pos)] = __uint_as_float(to_tf32(x.w));
+    }
+}
+
+}  // namespace
+
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
+          bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
+    attention_fwd_sm90_tf32(const AttnParams p) {
+    constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh");
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
+    float* k_s = q_s + NUM_WG * Q_ELEMS;              // [2][BLOCK_N x HEAD_DIM]
+    float* v_s = k_s + 2 * K_ELEMS;                   // [BLOCK_N x HEAD_DIM_V], as stored
+    float* vt_s = v_s + V_ELEMS;                      // [HEAD_DIM_V x BLOCK_N], transposed
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
+                                         p.window_left >= 0 || p.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
+    const long long m0 = m_block * BLOCK_M;
+
+    const float* q = reinterpret_cast<const float*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
+    const float* k = reinterpret_cast<const float*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+    const float* v = reinterpret_cast<const float*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+
+    // sequence positions fit in 32 bits (checked in Python)
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+
+    auto request_k = [&](int n0, int stage) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
+                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                       p.head_dim, Sw128<BLOCK_N, 4>());
+    };
+    auto request_v = [&](int n0) {
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
+                                                         p.v_s.col, p.seqlen_k - n0,
+                                                         p.head_dim_v, Sw128<BLOCK_N, 4>());
+    };
+    // each warpgroup's 64 rows of Q form one 64-row tile; Q and the first K tile are one
+    // group, rounded to TF32 in place as soon as they land
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
+                                                  p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
+                                                  p.head_dim, Sw128<64, 4>());
+    if (n_lo < n_hi) request_k(n_lo, 0);
+    cp_async_commit();
+    if (n_lo < n_hi) request_v(n_lo);
+    cp_async_commit();
+    cp_async_wait<1>();
+    if (n_lo < n_hi) round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s);
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w) round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS);
+
+    float o[DV_TILES][4], m[2], l[2];
+    m[0] = m[1] = neg_inf<float>();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    const SoftmaxExp2<float> exp2_fn(lane);
+
+    const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
+                   vt_base = smem_addr(vt_s);
+    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
+
+    int stage = 0;
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        const bool more = n0 + BLOCK_N < n_hi;
+        if (more) request_k(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();   // all but the K tile just requested have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
+        __syncthreads();      // ... for every thread: this K tile and the staged V tile
+
+        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs
+        float s[BLOCK_N / 8][4];
+        wgmma_fence();
+        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_base + stage * K_ELEMS * 4);
+        wgmma_commit();
+        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS>(vt_s, v_s);
+        wgmma_wait<0>();
+
+        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
+                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+
+        fence_proxy_async();  // V^T, written by every thread, visible to the tensor cores
+        __syncthreads();      // ... and the staging buffer free for the next V tile
+        if (more) request_v(n0 + BLOCK_N);
+        cp_async_commit();
+
+        // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order
+        unsigned p_frag[BLOCK_N / 8][4];
+        tf32_fragments<BLOCK_N>(p_frag, s);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
+        wgmma_commit();
+        if (more) {  // while it runs: round the next K tile (landed: only V is younger)
+            cp_async_wait<1>();
+            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + (stage ^ 1) * K_ELEMS);
+        }
+        wgmma_wait<0>();
+        __syncthreads();  // V^T and this K stage are consumed before they are refilled
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+}
