@@ -300,23 +300,21 @@ def _sm90(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool
 
 
 #: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
-#: Two consumer warpgroups (block_m 128) and a producer warpgroup: the kernel's register
-#: budgets assume that shape.
 SM90_TF32_TILES = (
-    (64, (Sm90Tiles(128, 128), Sm90Tiles(128, 64)),
-     "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32), before "
-     "the producer warpgroup: 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), "
-     "64-key 134.4 / 120.5"),
-    (128, (Sm90Tiles(128, 64),),
-     "H200 fp32 tf32 D128, before the producer warpgroup: 64-key tiles 166.2 / 152.1 "
-     "(two slots of 128-key K and V^T tiles do not fit)"),
+    (64, (Sm90Tiles(128, 128), Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
+     "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32): two "
+     "warpgroups with 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), 64-key "
+     "134.4 / 120.5, three 134.1 / 115.8, one 100.4 / 95.1; four warpgroups 153.8 / 127.0 but "
+     "capped at 128 registers they spill 164 bytes"),
+    (128, (Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
+     "H200 fp32 tf32 D128: two warpgroups with 64-key tiles (192 KB) 166.2 / 152.1, three "
+     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2"),
 )
 
 
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32 (see the .cu header)."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * head_dim
-            + 3 * tiles.block_n * head_dim_v) * 4
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 4
 
 
 def _sm90_tf32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
@@ -332,7 +330,7 @@ def _sm90_tf32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, align
             f"{tiles.min_blocks}>")
     return KernelChoice("sm90_tf32", "attention_sm90_tf32.cu", expr,
                         Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32 + 128)  # + the producer warpgroup
+                        threads=tiles.num_warps * 32)
 
 
 def mma_aligned(call: AttentionCall) -> bool:

@@ -42,88 +42,41 @@ using namespace cuattn::sm90;
 
 namespace {
 
-// Named barriers of the producer/consumer hand-off (0 is __syncthreads): FULL + j, slot j
-// written by the producer; EMPTY + j, slot j read by the consumers. Every use counts all
-// the block's threads: one side arrives (bar.arrive, no wait), the other waits (bar.sync).
-constexpr int FULL = 1, EMPTY = 3, PRODUCER = 5;  // PRODUCER: the producer warpgroup alone
-
-__device__ __forceinline__ void named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Warpgroup register budgets (setmaxnreg): the block is allocated 168 registers per thread
-// (65536 / 384, rounded down to 8) = 64512, and the budgets may only redistribute those: an
-// increase waits for registers that a decrease released (a first version asking for 65536
-// hung). 2 x 128 x 208 + 128 x 88 = 2 x 128 x 200 + 128 x 104 = 64512. The split is the one
-// without spills per head dim (NVRTC gate): at D64 the consumers' 128-key score tiles need
-// more, at D128 the producer's wider K rows.
-template <int HEAD_DIM> struct RegisterBudget {
-    static constexpr int PRODUCER = HEAD_DIM == 64 ? 88 : 104;
-    static constexpr int CONSUMER = HEAD_DIM == 64 ? 208 : 200;
-    static_assert(2 * 128 * CONSUMER + 128 * PRODUCER <= 168 * 384, "within the block's registers");
-};
-template <int REGS> __device__ __forceinline__ void shrink_registers() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
-template <int REGS> __device__ __forceinline__ void grow_registers() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
-
-__device__ __forceinline__ float tf32_float(float x) { return __uint_as_float(to_tf32(x)); }
-
-// Four consecutive columns of one row of a strided tensor, rounded to TF32; `ok` false
-// gives zeros. ALIGNED (unit column stride, 16-byte aligned rows): one 16-byte load of
-// row + c; otherwise element loads of columns c .. c + 3 below ncols.
-template <bool ALIGNED>
-__device__ __forceinline__ float4 load4_tf32(const float* row, int c, long long col_stride,
-                                            long long ncols, bool ok) {
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (ok) {
-        if constexpr (ALIGNED) {
-            x = *reinterpret_cast<const float4*>(row + c);
-        } else {
-            x.x = row[c * col_stride];
-            if (c + 1 < ncols) x.y = row[(c + 1) * col_stride];
-            if (c + 2 < ncols) x.z = row[(c + 2) * col_stride];
-            if (c + 3 < ncols) x.w = row[(c + 3) * col_stride];
-        }
-    }
-    return make_float4(tf32_float(x.x), tf32_float(x.y), tf32_float(x.z), tf32_float(x.w));
-}
-
-// Round to TF32 in place the chunks of a ROWS x COLS tile that producer thread ptid copied
-// (for_own_chunks: load_tile's mapping over the producer's 128 threads).
-template <int ROWS, int COLS, bool ALIGNED>
-__device__ __forceinline__ void round_own_tf32(float* tile, int ptid) {
-    for_own_chunks<ROWS, COLS, 128, ALIGNED, float>(Sw128<ROWS, 4>(), [&](int at) {
+// Round to TF32 in place the chunks of a ROWS-row tile (K, or Q) that this thread copied
+// (for_own_chunks).
+template <int ROWS, int COLS, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void round_own_tf32(float* tile) {
+    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<ROWS, 4>(), [&](int at) {
         float4* c = reinterpret_cast<float4*>(tile + at);
         float4 x = *c;
-        *c = make_float4(tf32_float(x.x), tf32_float(x.y), tf32_float(x.z), tf32_float(x.w));
-    }, ptid);
+        x.x = __uint_as_float(to_tf32(x.x));
+        x.y = __uint_as_float(to_tf32(x.y));
+        x.z = __uint_as_float(to_tf32(x.z));
+        x.w = __uint_as_float(to_tf32(x.w));
+        *c = x;
+    });
 }
 
 // V^T (HEAD_DIM_V rows, keys K-contiguous at tf32_key_position) from the staged V tile
-// (BLOCK_N key rows, 128-byte swizzle), rounded to TF32, by the producer's four warps. A
-// warp moves 16 keys x 8 columns per step: lane (n = lane % 16, h = lane / 16) reads 4
-// columns of key n (one 16-byte load; eight consecutive keys hit eight distinct chunks) and
-// writes them to 4 rows of V^T; rows 4h + e of the two half-warps differ in bit 2 of the
-// swizzle, so the 32 scalar stores of a step hit 32 distinct banks.
-template <int BLOCK_N, int HEAD_DIM_V>
-__device__ __forceinline__ void transpose_v(float* vt, const float* vs, int ptid) {
+// (BLOCK_N key rows), rounded to TF32. A warp moves 16 keys x 8 columns per step: lane
+// (n = lane % 16, h = lane / 16) reads 4 columns of key n (one 16-byte load; eight
+// consecutive keys hit eight distinct chunks) and writes them to 4 rows of V^T; rows
+// 4h + e of the two half-warps differ in bit 2 of the swizzle, so the 32 scalar stores of
+// a step hit 32 distinct banks.
+template <int BLOCK_N, int HEAD_DIM_V, int THREADS>
+__device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
     constexpr int KEY_BLOCKS = BLOCK_N / 16, STEPS = KEY_BLOCKS * HEAD_DIM_V / 8;
-    const int pwarp = ptid / 32, lane = ptid % 32, n_in = lane % 16, h = lane / 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n_in = lane % 16, h = lane / 16;
 #pragma unroll 4
-    for (int u = pwarp; u < STEPS; u += 4) {
+    for (int u = warp; u < STEPS; u += THREADS / 32) {
         const int n = (u % KEY_BLOCKS) * 16 + n_in, c = (u / KEY_BLOCKS) * 8 + 4 * h;
         const float4 x = *reinterpret_cast<const float4*>(vs + Sw128<BLOCK_N, 4>()(n, c));
         const int pos = tf32_key_position(n);
-        vt[Sw128<HEAD_DIM_V, 4>()(c, pos)] = tf32_float(x.x);
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 1, pos)] = tf32_float(x.y);
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 2, pos)] = tf32_float(x.z);
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 3, pos)] = tf32_float(x.w);
+        vt[Sw128<HEAD_DIM_V, 4>()(c, pos)] = __uint_as_float(to_tf32(x.x));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 1, pos)] = __uint_as_float(to_tf32(x.y));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 2, pos)] = __uint_as_float(to_tf32(x.z));
+        vt[Sw128<HEAD_DIM_V, 4>()(c + 3, pos)] = __uint_as_float(to_tf32(x.w));
     }
 }
 
@@ -131,21 +84,19 @@ __device__ __forceinline__ void transpose_v(float* vt, const float* vs, int ptid
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
           bool ALIGNED, int MIN_BLOCKS>
-__global__ void __launch_bounds__((NUM_WG + 1) * 128, MIN_BLOCKS)
+__global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     attention_fwd_sm90_tf32(const AttnParams p) {
-    constexpr int THREADS = (NUM_WG + 1) * 128, CONSUMERS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG,
-                  DV_TILES = HEAD_DIM_V / 8;
-    static_assert(NUM_WG == 2 && MIN_BLOCKS == 1, "the register budgets assume two consumer warpgroups");
+    constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
-                      (BLOCK_N == 64 || BLOCK_N == 128),
-                  "wgmma shapes of wgmma.cuh; whole 16-key blocks per producer warp");
+                      (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
     float* k_s = q_s + NUM_WG * Q_ELEMS;              // [2][BLOCK_N x HEAD_DIM]
-    float* vt_s = k_s + 2 * K_ELEMS;                  // [2][HEAD_DIM_V x BLOCK_N], transposed
-    float* v_s = vt_s + 2 * V_ELEMS;                  // [BLOCK_N x HEAD_DIM_V], as stored
+    float* v_s = k_s + 2 * K_ELEMS;                   // [BLOCK_N x HEAD_DIM_V], as stored
+    float* vt_s = v_s + V_ELEMS;                      // [HEAD_DIM_V x BLOCK_N], transposed
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const BlockCoords blk = block_coords(p.num_m_blocks, 1,
@@ -156,6 +107,10 @@ __global__ void __launch_bounds__((NUM_WG + 1) * 128, MIN_BLOCKS)
     const float* q = reinterpret_cast<const float*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
     const float* k = reinterpret_cast<const float*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
     const float* v = reinterpret_cast<const float*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
 
     // sequence positions fit in 32 bits (checked in Python)
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
@@ -164,61 +119,32 @@ __global__ void __launch_bounds__((NUM_WG + 1) * 128, MIN_BLOCKS)
     const Range keys = key_band(p, m0, m_last, BLOCK_N);
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
-    // Q, rounded to TF32, by every thread; the one block-wide barrier
-    {
-        constexpr int CHUNKS = HEAD_DIM / 4;
-        for (int idx = threadIdx.x; idx < NUM_WG * 64 * CHUNKS; idx += THREADS) {
-            const int r = idx / CHUNKS, c = idx % CHUNKS * 4;
-            *reinterpret_cast<float4*>(q_s + (r / 64) * Q_ELEMS + Sw128<64, 4>()(r % 64, c)) =
-                load4_tf32<ALIGNED>(q + r * p.q_s.row, c, p.q_s.col, p.head_dim,
-                                    r < p.seqlen_q - m0 && c < p.head_dim);
-        }
-    }
-    fence_proxy_async();
-    __syncthreads();
-
-    if (wg == NUM_WG) {
-        // producer: tile t into slot t % 2 -- K copied into its slot and rounded in place, V
-        // copied into the staging tile and transposed into V^T -- then handed over; the copies
-        // of tile t + 1 start as soon as the consumers free its slot
-        shrink_registers<RegisterBudget<HEAD_DIM>::PRODUCER>();
-        const int ptid = threadIdx.x - CONSUMERS;
-        auto request = [&](int t, int n0) {
-            load_tile<BLOCK_N, HEAD_DIM, 128, ALIGNED>(k_s + (t & 1) * K_ELEMS, k + n0 * p.k_s.row,
+    auto request_k = [&](int n0, int stage) {
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<BLOCK_N, 4>(), ptid);
-            load_tile<BLOCK_N, HEAD_DIM_V, 128, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
+                                                       p.head_dim, Sw128<BLOCK_N, 4>());
+    };
+    auto request_v = [&](int n0) {
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
                                                          p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Sw128<BLOCK_N, 4>(), ptid);
-            cp_async_commit();
-        };
-        if (n_lo < n_hi) request(0, n_lo);
-        int t = 0;
-        for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
-            const int j = t & 1;
-            cp_async_wait<0>();
-            named_sync(PRODUCER, 128);  // every producer thread's copies of tile t landed
-            round_own_tf32<BLOCK_N, HEAD_DIM, ALIGNED>(k_s + j * K_ELEMS, ptid);
-            transpose_v<BLOCK_N, HEAD_DIM_V>(vt_s + j * V_ELEMS, v_s, ptid);
-            fence_proxy_async();  // the tiles, visible to the consumers' tensor cores
-            named_arrive(FULL + j, THREADS);
-            if (n0 + BLOCK_N < n_hi) {
-                named_sync(PRODUCER, 128);  // the staged V is transposed by every thread
-                if (t >= 1) named_sync(EMPTY + (j ^ 1), THREADS);  // slot of tile t + 1 free
-                request(t + 1, n0 + BLOCK_N);
-            }
-        }
-        // take the consumers' last (up to two) releases, so no barrier is left pending
-        for (int i = max(t - 2, 0); i < t; ++i) named_sync(EMPTY + (i & 1), THREADS);
-        return;
-    }
+                                                         p.head_dim_v, Sw128<BLOCK_N, 4>());
+    };
+    // each warpgroup's 64 rows of Q form one 64-row tile; Q and the first K tile are one
+    // group, rounded to TF32 in place as soon as they land
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
+                                                  p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
+                                                  p.head_dim, Sw128<64, 4>());
+    if (n_lo < n_hi) request_k(n_lo, 0);
+    cp_async_commit();
+    if (n_lo < n_hi) request_v(n_lo);
+    cp_async_commit();
+    cp_async_wait<1>();
+    if (n_lo < n_hi) round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s);
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w) round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS);
 
-    // consumers: warpgroup wg owns query rows 64 wg .. 64 wg + 63 of the block
-    grow_registers<RegisterBudget<HEAD_DIM>::CONSUMER>();
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
     float o[DV_TILES][4], m[2], l[2];
     m[0] = m[1] = neg_inf<float>();
     l[0] = l[1] = 0.f;
@@ -232,16 +158,21 @@ __global__ void __launch_bounds__((NUM_WG + 1) * 128, MIN_BLOCKS)
                    vt_base = smem_addr(vt_s);
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
-    int t = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
-        const int j = t & 1;
-        named_sync(FULL + j, THREADS);  // the producer wrote slot j
+    int stage = 0;
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+        const bool more = n0 + BLOCK_N < n_hi;
+        if (more) request_k(n0 + BLOCK_N, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();   // all but the K tile just requested have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
+        __syncthreads();      // ... for every thread: this K tile and the staged V tile
 
-        // S = Q K^T, both operands K-contiguous in shared memory
+        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs
         float s[BLOCK_N / 8][4];
         wgmma_fence();
-        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_base + j * K_ELEMS * 4);
+        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_base + stage * K_ELEMS * 4);
         wgmma_commit();
+        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS>(vt_s, v_s);
         wgmma_wait<0>();
 
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
@@ -250,14 +181,24 @@ __global__ void __launch_bounds__((NUM_WG + 1) * 128, MIN_BLOCKS)
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 
+        fence_proxy_async();  // V^T, written by every thread, visible to the tensor cores
+        __syncthreads();      // ... and the staging buffer free for the next V tile
+        if (more) request_v(n0 + BLOCK_N);
+        cp_async_commit();
+
         // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order
         unsigned p_frag[BLOCK_N / 8][4];
         tf32_fragments<BLOCK_N>(p_frag, s);
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base + j * V_ELEMS * 4, true);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
         wgmma_commit();
+        if (more) {  // while it runs: round the next K tile (landed: only V is younger)
+            cp_async_wait<1>();
+            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + (stage ^ 1) * K_ELEMS);
+        }
         wgmma_wait<0>();
-        named_arrive(EMPTY + j, THREADS);  // slot j read
+        __syncthreads();  // V^T and this K stage are consumed before they are refilled
     }
+    cp_async_wait<0>();  // no copy may outlive the block
 
     store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
 }

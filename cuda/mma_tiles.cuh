@@ -84,9 +84,7 @@ template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attentio
     }
 };
 
-// Copy ROWS x COLS elements of a strided tensor into a shared tile laid out by `at`, by the
-// THREADS threads tid = 0 .. THREADS - 1 (threadIdx.x unless a subset of the block copies);
-// rows >=
+// Copy ROWS x COLS elements of a strided tensor into a shared tile laid out by `at`; rows >=
 // nrows and columns >= ncols become 0. ALIGNED (unit column stride, 16-byte aligned rows,
 // ncols a multiple of a chunk, so chunks are all or nothing): 16-byte cp.async chunks, finish
 // with cp_async_wait. A thread's chunks sit in one column c, rows r0 + i * ROW_STEP: one
@@ -95,13 +93,13 @@ template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attentio
 template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
                                           long long col_stride, long long nrows,
-                                          long long ncols, At at, unsigned tid = threadIdx.x) {
+                                          long long ncols, At at) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
     static_assert(COLS % CHUNK == 0 && THREADS % CHUNKS == 0,
                   "whole 16-byte chunks per row, whole rows per pass of the block");
     if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
-        const int r0 = tid / CHUNKS, c = tid % CHUNKS * CHUNK;
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
         const bool col_ok = c < ncols;
         const int rows = static_cast<int>(nrows < ROWS ? nrows : ROWS);
         const long long step = ROW_STEP * row_stride;
@@ -117,7 +115,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
         }
     } else {
 #pragma unroll 4
-        for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
             const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
             T* d = dst + at(r, c);
 #pragma unroll
@@ -134,11 +132,11 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
 // element: the same thread-to-chunk mapping, so a thread can post-process what it copied
 // itself once its copies have landed (cp_async_wait), with no barrier.
 template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At, typename F>
-__device__ __forceinline__ void for_own_chunks(At at, F f, unsigned tid = threadIdx.x) {
+__device__ __forceinline__ void for_own_chunks(At at, F f) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
     if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
-        const int r0 = tid / CHUNKS, c = tid % CHUNKS * CHUNK;
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
 #pragma unroll
         for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
             const int r = r0 + i * ROW_STEP;
@@ -147,7 +145,7 @@ __device__ __forceinline__ void for_own_chunks(At at, F f, unsigned tid = thread
         }
     } else {
 #pragma unroll 4
-        for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS)
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS)
             f(at(idx / CHUNKS, (idx % CHUNKS) * CHUNK));
     }
 }

@@ -50,18 +50,18 @@ def test_forward_families_by_dtype_precision_and_head_dim():
 
 
 def test_sm90_tf32_instances_and_shared_memory():
-    # float32 "tf32" on Hopper: head dims padded to 64; Q rows, two slots of K and of V^T,
-    # the V staging tile, all float
+    # float32 "tf32" on Hopper: head dims padded to 64; Q rows, two stages of K, the V
+    # staging tile and V^T, all float
     choice = forward(F32, 100, precision="tf32")
     assert choice.family == "sm90_tf32"
     assert choice.name_expression == (
         "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
-    assert choice.threads == 384 and choice.tiles.block_m == 128  # + a producer warpgroup
-    assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 3 * 64 * 128)
+    assert choice.threads == 256 and choice.tiles.block_m == 128
+    assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
     assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
     assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
-    assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 3 * 128 * 64)
+    assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
     assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
 
 

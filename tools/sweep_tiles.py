@@ -51,9 +51,11 @@ SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
                        Sm90Tiles(64, 128)],
     ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 64)],
 }
-SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * consumer warpgroups (two), block_n)
-    ("float32", 64): [Sm90Tiles(128, 128), Sm90Tiles(128, 64)],
-    ("float32", 128): [Sm90Tiles(128, 64)],
+SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(64, 64), Sm90Tiles(128, 128),
+                      Sm90Tiles(192, 64), Sm90Tiles(256, 64)],
+    ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(192, 64), Sm90Tiles(192, 32),
+                       Sm90Tiles(128, 32)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
