@@ -478,11 +478,10 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
 
 #: Backward families, most preferred first (the same rules as FAMILIES).
 BACKWARD_FAMILIES = (
-    Family("sm90", "attention_backward_sm90.cu", (9, 0), ("float16", "bfloat16"), 64,
+    Family("sm90", "attention_backward_sm90.cu", (9, 0), ("float16", "bfloat16"), 128,
            "Hopper warpgroup MMA (wgmma, sm_90a), 16-bit inputs: the mma family's two "
-           "kernels with every product on wgmma. Head dims to 64: at D128 its dK/dV kernel "
-           "(1.40x the mma family's speed, run AB) spills 4 bytes in the plain instance, "
-           "so mma serves D128 until that is fixed", archs=((9, 0),)),
+           "kernels with every product on wgmma; head dims to 128 (registers of the 64-key "
+           "dK/dV accumulators)", archs=((9, 0),)),
     Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
            "dK, dV and dQ into 64- or 128-column tiles (registers)"),
@@ -657,6 +656,11 @@ SM90_BACKWARD_TILES = (
      "first version, not swept: 64-query and 64-key tiles (49 KB per block); H200 bf16 B4 "
      "H32 S4096 D64 131.1 / 122.2 TFLOP/s (non-causal / causal, run AB) against the mma "
      "family's 121.2 / 109.8 (session 4, run S)"),
+    (128, (Sm90BwdTiles(32, 64),),
+     "H200 bf16 B4 H16 S4096 D128 (session 6, tools/sweep_backward.py --sm90): 32-query "
+     "dK/dV tiles 180.7 / 159.6 (242 registers, no spills); 64-query 185.3 / 169.6 in the same "
+     "run, but its plain instance spills 4 bytes (NVRTC gate); 32-query with 128-key dQ "
+     "tiles 132.9 / 120.8"),
 )
 
 

@@ -20,8 +20,8 @@
 //             calls are bit-identical.
 // Template:   T; G gradient storage (T, or float for a gradient that Python sums over
 //             broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128,
-//             zero-padded); the tile of the other sequence (BLOCK_M for dK/dV, BLOCK_N for
-//             dQ: 64 or 128); ALIGNED; MIN_BLOCKS.
+//             zero-padded); the tile of the other sequence (BLOCK_M for dK/dV: 32, 64 or
+//             128; BLOCK_N for dQ: 64 or 128); ALIGNED; MIN_BLOCKS.
 // Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (64 + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
@@ -50,7 +50,7 @@ template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, i
 __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_N = 64;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
-                      (BLOCK_M == 64 || BLOCK_M == 128),
+                      (BLOCK_M == 32 || BLOCK_M == 64 || BLOCK_M == 128),
                   "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     const AttnParams& p = bp.f;

@@ -168,7 +168,9 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 
 def test_backward_families_and_tiles():
     assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
-    assert backward(BF16, 128).family == "mma"             # beyond the sm90 backward's head dims
+    d128 = backward(BF16, 128)                               # 32-query dK/dV tiles at D128
+    assert d128.family == "sm90" and ", 128, 128, 32, true, 1>" in d128.dkdv
+    assert backward(BF16, 256).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
     assert choice.family == "mma" and choice.filename == "attention_backward_mma.cu"

@@ -29,7 +29,7 @@ CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min bloc
 S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM])
     64: [S(64, 64), S(128, 64), S(64, 128), S(128, 128), S(64, 64, 2, 2)],
-    128: [S(64, 64), S(64, 128), S(128, 64)],
+    128: [S(32, 64), S(32, 128), S(64, 64)],
 }
 
 
