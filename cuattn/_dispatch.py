@@ -652,10 +652,11 @@ class Sm90BwdTiles:
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
 SM90_BACKWARD_TILES = (
-    (64, (Sm90BwdTiles(64, 64),),
-     "first version, not swept: 64-query and 64-key tiles (49 KB per block); H200 bf16 B4 "
-     "H32 S4096 D64 131.1 / 122.2 TFLOP/s (non-causal / causal, run AB) against the mma "
-     "family's 121.2 / 109.8 (session 4, run S)"),
+    (64, (Sm90BwdTiles(32, 64, 3, 3),),
+     "H200 bf16 B4 H32 S4096 D64 (session 6, tools/sweep_backward.py --sm90 64): 32-query "
+     "dK/dV tiles, both kernels capped at 3 blocks per SM, 153.6 / 131.1 TFLOP/s "
+     "(non-causal / causal); uncapped 148.7 / 130.4; 64-query 133.6 / 116.7 (run AB: "
+     "131.1 / 122.2); 128-query 128.4 / 116.3; 32-query with 128-key dQ tiles 126.1 / 111.0"),
     (128, (Sm90BwdTiles(32, 64),),
      "H200 bf16 B4 H16 S4096 D128 (session 6, tools/sweep_backward.py --sm90): 32-query "
      "dK/dV tiles 180.7 / 159.6 (242 registers, no spills); 64-query 185.3 / 169.6 in the same "

@@ -213,14 +213,15 @@ def test_every_backward_candidate_fits_its_gpu():
 
 def test_sm90_backward_instances_and_shared_memory():
     # one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all columns in one block
+    # (32-query tiles in dK/dV, both kernels capped at 3 blocks per SM at D64)
     choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
-                           "cuattn::NoBias, false, 64, 64, 64, true, 1>")
+                           "cuattn::NoBias, false, 64, 64, 32, true, 3>")
     assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
-                         "cuattn::NoBias, false, 64, 64, 64, true, 1>")
+                         "cuattn::NoBias, false, 64, 64, 64, true, 3>")
     assert choice.threads_dkdv == choice.threads_dq == 128
     assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 64
-    assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
+    assert choice.smem_dkdv == (64 * 128 + 2 * 32 * 128) * 2 + 2 * 2 * 32 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tools/sweep_backward.py          # mma family
     PYTHONPATH=. python tools/sweep_backward.py --sm90   # sm90 family (Hopper wgmma)
+    PYTHONPATH=. python tools/sweep_backward.py --sm90 64  # only head dim 64
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
@@ -28,7 +29,7 @@ CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min bloc
 
 S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM])
-    64: [S(64, 64), S(128, 64), S(64, 128), S(128, 128), S(64, 64, 2, 2)],
+    64: [S(64, 64), S(32, 64), S(32, 64, 3, 3), S(32, 128), S(128, 64)],
     128: [S(32, 64), S(32, 128), S(64, 64)],
 }
 
@@ -39,7 +40,10 @@ def main():
                      else (CANDIDATES, "mma"))
     s = 4096
     print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
+    heads = [int(a) for a in sys.argv[1:] if a.isdigit()]  # e.g. 64: only that head dim
     for d, cands in table.items():
+        if heads and d not in heads:
+            continue
         b, h = 16384 // s, 2048 // d
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype("bfloat16") for _ in range(3))
         for causal in (False, True):
