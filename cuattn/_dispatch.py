@@ -19,7 +19,7 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
-           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES", "sm90_tf32_smem_bytes",
+           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES",
            "sm90_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
@@ -278,27 +278,6 @@ SM90_TILES = (
 )
 
 
-def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
-    """Dynamic shared memory of attention_fwd_sm90 (see the .cu header)."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 2
-
-
-def _sm90(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
-          aligned: bool, smem_limit: int, tiles: Sm90Tiles | None = None):
-    head = max(head_dim, head_dim_v)
-    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
-    candidates = (tiles,) if tiles is not None else next(
-        c for max_d, c, _ in SM90_TILES if head <= max_d)
-    tiles, smem = _first_fit(candidates, lambda t: sm90_smem_bytes(t, hd, hdv), smem_limit,
-                             "sm90", f"head dims {head_dim}, {head_dim_v}")
-    expr = (f"attention_fwd_sm90<{c_type_name(call_dtype)}, {_bias_type(bias_dtype)}, "
-            f"{str(has_mask).lower()}, {hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 64}, "
-            f"{str(aligned).lower()}, {tiles.min_blocks}>")
-    return KernelChoice("sm90", "attention_sm90.cu", expr,
-                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32)
-
-
 #: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
 SM90_TF32_TILES = (
     (64, (Sm90Tiles(128, 128), Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
@@ -312,25 +291,33 @@ SM90_TF32_TILES = (
 )
 
 
-def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
-    """Dynamic shared memory of attention_fwd_sm90_tf32 (see the .cu header)."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 4
+def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
+    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements) and
+    attention_fwd_sm90_tf32 (itemsize 4; see the .cu headers): the same tiles, Q and two
+    stages of K and of V (for sm90_tf32: the V staging tile and V^T)."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * itemsize
 
 
-def _sm90_tf32(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
-               smem_limit: int, tiles: Sm90Tiles | None = None):
+def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
+          has_mask: bool, aligned: bool, smem_limit: int, tiles: Sm90Tiles | None = None):
+    """The sm90 and sm90_tf32 families: attention_fwd_sm90<T, ...> or
+    attention_fwd_sm90_tf32<...> (float only)."""
     head = max(head_dim, head_dim_v)
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    table = SM90_TILES if family == "sm90" else SM90_TF32_TILES
     candidates = (tiles,) if tiles is not None else next(
-        c for max_d, c, _ in SM90_TF32_TILES if head <= max_d)
-    tiles, smem = _first_fit(candidates, lambda t: sm90_tf32_smem_bytes(t, hd, hdv),
-                             smem_limit, "sm90_tf32", f"head dims {head_dim}, {head_dim_v}")
-    expr = (f"attention_fwd_sm90_tf32<{_bias_type(bias_dtype)}, {str(has_mask).lower()}, "
-            f"{hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 64}, {str(aligned).lower()}, "
+        c for max_d, c, _ in table if head <= max_d)
+    tiles, smem = _first_fit(
+        candidates, lambda t: sm90_smem_bytes(t, hd, hdv, call_dtype.itemsize), smem_limit,
+        family, f"head dims {head_dim}, {head_dim_v}")
+    filename, kernel, type_arg = (
+        ("attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ")
+        if family == "sm90" else ("attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", ""))
+    expr = (f"{kernel}<{type_arg}{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, "
+            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {str(aligned).lower()}, "
             f"{tiles.min_blocks}>")
-    return KernelChoice("sm90_tf32", "attention_sm90_tf32.cu", expr,
-                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32)
+    return KernelChoice(family, filename, expr, Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1),
+                        hd, hdv, smem, threads=tiles.num_warps * 32)
 
 
 def mma_aligned(call: AttentionCall) -> bool:
@@ -457,12 +444,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
             continue
         if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
-        if family.name == "sm90":
-            return _sm90(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
-                         smem_limit, tiles)
-        if family.name == "sm90_tf32":
-            return _sm90_tf32(head_dim, head_dim_v, bias_dtype, has_mask, aligned, smem_limit,
-                              tiles)
+        if family.name in ("sm90", "sm90_tf32"):
+            return _sm90(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
+                         aligned, smem_limit, tiles)
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)

@@ -114,9 +114,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
         float s[M_TILES][BLOCK_N / 8][4];
         scores<HEAD_DIM, BLOCK_N, M_TILES, T>(s, q_base, k_base + stage * K_ELEMS * 2, q_off, k_off);
         // interior tile: inside both sequences and the band for every row of the block
-        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
-                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
-                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
             const float scale = mask_scores<BLOCK_N, HAS_MASK>(s[mt], p, m0 + warp * WARP_M + mt * 16,

@@ -55,11 +55,7 @@ namespace {
 // A elements (a0, a1, a2, a3) = rows (g, g+8, g, g+8) and k = (t, t, t+4, t+4); B elements
 // (b0, b1) = k (t, t+4); accumulators (rows g, g, g+8, g+8; columns 2t, 2t+1). Operands
 // come through operand(), which rounds float to TF32 and passes double through.
-__device__ __forceinline__ unsigned operand(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return r;
-}
+__device__ __forceinline__ unsigned operand(float x) { return to_tf32(x); }
 __device__ __forceinline__ double operand(double x) { return x; }
 
 __device__ __forceinline__ void mma_k8(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,

@@ -111,9 +111,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         wgmma_commit();
         wgmma_wait<0>();
 
-        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
-                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
-                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 

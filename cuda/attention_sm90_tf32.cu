@@ -30,7 +30,7 @@
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
 //             two stages of K, the V staging tile and V^T, every tile in the 128-byte-swizzle
 //             layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
-//             cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
+//             cuattn/_dispatch.py::sm90_smem_bytes (itemsize 4) computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
 //             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
@@ -175,9 +175,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         transpose_v<BLOCK_N, HEAD_DIM_V, THREADS>(vt_s, v_s);
         wgmma_wait<0>();
 
-        const bool interior = !HAS_MASK && n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
-                              (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
-                              (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 

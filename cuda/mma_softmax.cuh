@@ -14,6 +14,21 @@
 namespace cuattn {
 namespace mma {
 
+// Does the tile of rows m0 .. m_last (m_last = min(m0 + BLOCK_M, seqlen_q) - 1) and keys
+// n0 .. n0 + BLOCK_N - 1 lie inside both sequences and inside the causal/window band for
+// every element, so that mask_scores may skip the masking? Positions in 32 bits (checked in
+// Python), off = seqlen_k - seqlen_q: the 16-bit and sm90_tf32 forwards. The same predicate
+// in 64-bit positions: attention_mma_wide.cu (spelled out; this helper there changed its
+// SASS) and backward.cuh's tile_is_interior.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long long m0,
+                                                      int m_last, int n0, int seqlen_q,
+                                                      int seqlen_k, int off) {
+    return n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
+           (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
+           (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
+}
+
 // Scores to log2 units with softcap, bias and masking (see attention_portable.cu). Element
 // (j, e) of the accumulator is row g + 8*(e/2), column 8j + 2t + e%2 of the warp's tile.
 // Returns the factor still to be applied: an interior tile without softcap or bias is left

@@ -66,6 +66,14 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+// TF32 operand: x rounded to nearest (ties away), the bits a TF32 instruction reads
+// (attention_mma_wide.cu, attention_sm90_tf32.cu)
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
 // element offset of (row, col) in a swizzled tile of COLS columns (COLS % 64 == 0)
 template <int COLS>
 __device__ __forceinline__ int swizzle(int row, int col) {

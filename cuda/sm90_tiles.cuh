@@ -83,13 +83,6 @@ __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (
         Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, ROWS * 128), 1);
 }
 
-// TF32 operand: x rounded to nearest (ties away), the bits a TF32 instruction reads.
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return r;
-}
-
 // Where key n sits along the contraction of P V in product_rs_tf32 when P's fragments come
 // from tf32_fragments: within each group of eight, key 2t at position t and key 2t + 1 at
 // position t + 4.
@@ -123,10 +116,10 @@ __device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
                                                const float (&x)[ROWS / 8][4]) {
 #pragma unroll
     for (int kk = 0; kk < ROWS / 8; ++kk) {
-        a[kk][0] = to_tf32(x[kk][0]);  // (row g, k = t): column 2t
-        a[kk][1] = to_tf32(x[kk][2]);  // (row g + 8, k = t)
-        a[kk][2] = to_tf32(x[kk][1]);  // (row g, k = t + 4): column 2t + 1
-        a[kk][3] = to_tf32(x[kk][3]);  // (row g + 8, k = t + 4)
+        a[kk][0] = mma::to_tf32(x[kk][0]);  // (row g, k = t): column 2t
+        a[kk][1] = mma::to_tf32(x[kk][2]);  // (row g + 8, k = t)
+        a[kk][2] = mma::to_tf32(x[kk][1]);  // (row g, k = t + 4): column 2t + 1
+        a[kk][3] = mma::to_tf32(x[kk][3]);  // (row g + 8, k = t + 4)
     }
 }
 

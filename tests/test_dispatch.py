@@ -58,7 +58,7 @@ def test_sm90_tf32_instances_and_shared_memory():
         "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
+    assert choice.shared_mem == d.sm90_smem_bytes(d.Sm90Tiles(128, 64), 128, 128, 4)
     d64 = forward(F32, 64, precision="tf32")
     assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
@@ -73,7 +73,7 @@ def test_sm90_instances_and_shared_memory():
         "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, true, 1>")
     assert choice.threads == 128 and choice.tiles.block_m == 64
     assert choice.shared_mem == 2 * (64 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    two = d._sm90(F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
+    two = d._sm90("sm90", F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
     assert two.name_expression == (
         "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, false, 1>")
     assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128)
