@@ -19,8 +19,8 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
-           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES",
-           "sm90_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
+           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES", "SM90_3XTF32_TILES",
+           "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "SM90_BACKWARD_TILES",
@@ -65,9 +65,15 @@ FAMILIES = (
            "float32 with precision='tf32' on Hopper warpgroup MMA (wgmma .tf32, sm_90a), head "
            "dims to 128 (registers and shared memory of the float tiles); sm_90a code runs on "
            "sm_90 only", precisions=("tf32",), archs=((9, 0),)),
+    Family("sm90_3xtf32", "attention_sm90_tf32.cu", (9, 0), ("float32",), 128,
+           "float32 with precision='highest' on Hopper warpgroup MMA by the 3xTF32 split (three "
+           "TF32 products per product, small terms first, P V per key tile added in float32), "
+           "head dims to 128; sm_90a code runs on sm_90 only", precisions=("highest",),
+           archs=((9, 0),)),
     Family("mma_f32", "attention_mma_wide.cu", (8, 0), ("float32",), 256,
            "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
-           "'highest' stays on portable: 3xTF32 missed the accuracy rule by up to 2.0x",
+           "'highest' is sm90_3xtf32's on Hopper and portable's elsewhere: this kernel's "
+           "3xTF32 (P V accumulated into O) missed the accuracy rule by up to 2.0x",
            precisions=("tf32",)),
     Family("mma_f64", "attention_mma_wide.cu", (8, 0), ("float64",), 128,
            "float64 on the FP64 tensor cores (DMMA) of A100, H100/H200 and B200 only (the "
@@ -258,6 +264,7 @@ class Sm90Tiles:
     block_m: int   # query rows per block: one warpgroup (128 threads) per 64 rows
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
+    k_stages: int = 2  # K tiles in flight (float kernel only; the 16-bit one always has 2)
 
     @property
     def num_warps(self) -> int:
@@ -291,31 +298,57 @@ SM90_TF32_TILES = (
 )
 
 
-def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
-    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements) and
-    attention_fwd_sm90_tf32 (itemsize 4; see the .cu headers): the same tiles, Q and two
-    stages of K and of V (for sm90_tf32: the V staging tile and V^T)."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * itemsize
+#: sm90_3xtf32 family (precision "highest"), as SM90_TF32_TILES. Every operand tile is held
+#: twice (hi and lo parts), so D128 fits 227 KB only with one K stage or one warpgroup.
+SM90_3XTF32_TILES = (
+    (64, (Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64)),
+     "first guess, not yet swept"),
+    (128, (Sm90Tiles(128, 32, k_stages=1), Sm90Tiles(64, 32), Sm90Tiles(64, 32, k_stages=1)),
+     "first guess, not yet swept"),
+)
+
+
+def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements; see the .cu header):
+    Q and two stages of K and of V."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 2
+
+
+def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
+                         split: bool = False) -> int:
+    """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
+    header): Q, tiles.k_stages stages of K, the V staging tile and V^T, with Q, K and V^T
+    held twice (hi and lo) when ``split``."""
+    parts = 2 if split else 1
+    return (tiles.block_m * head_dim * parts + tiles.k_stages * parts * tiles.block_n * head_dim
+            + (1 + parts) * tiles.block_n * head_dim_v) * 4
 
 
 def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
           has_mask: bool, aligned: bool, smem_limit: int, tiles: Sm90Tiles | None = None):
-    """The sm90 and sm90_tf32 families: attention_fwd_sm90<T, ...> or
-    attention_fwd_sm90_tf32<...> (float only)."""
+    """The sm90, sm90_tf32 and sm90_3xtf32 families: attention_fwd_sm90<T, ...> or
+    attention_fwd_sm90_tf32<..., SPLIT, K_STAGES, ...> (float only)."""
     head = max(head_dim, head_dim_v)
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
-    table = SM90_TILES if family == "sm90" else SM90_TF32_TILES
+    table = {"sm90": SM90_TILES, "sm90_tf32": SM90_TF32_TILES,
+             "sm90_3xtf32": SM90_3XTF32_TILES}[family]
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in table if head <= max_d)
-    tiles, smem = _first_fit(
-        candidates, lambda t: sm90_smem_bytes(t, hd, hdv, call_dtype.itemsize), smem_limit,
-        family, f"head dims {head_dim}, {head_dim_v}")
-    filename, kernel, type_arg = (
-        ("attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ")
-        if family == "sm90" else ("attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", ""))
+    split = family == "sm90_3xtf32"
+    smem_of = ((lambda t: sm90_smem_bytes(t, hd, hdv)) if family == "sm90"
+               else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
+    tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
+                             f"head dims {head_dim}, {head_dim_v}")
+    if family == "sm90":
+        filename, kernel, type_arg, float_args = (
+            "attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ", "")
+    else:
+        filename, kernel, type_arg, float_args = (
+            "attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", "",
+            f"{str(split).lower()}, {tiles.k_stages}, ")
     expr = (f"{kernel}<{type_arg}{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, "
-            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {str(aligned).lower()}, "
-            f"{tiles.min_blocks}>")
+            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {float_args}"
+            f"{str(aligned).lower()}, {tiles.min_blocks}>")
     return KernelChoice(family, filename, expr, Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1),
                         hd, hdv, smem, threads=tiles.num_warps * 32)
 
@@ -444,7 +477,7 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
             continue
         if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
-        if family.name in ("sm90", "sm90_tf32"):
+        if family.name in ("sm90", "sm90_tf32", "sm90_3xtf32"):
             return _sm90(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                          aligned, smem_limit, tiles)
         if family.name == "mma":

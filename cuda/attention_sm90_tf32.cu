@@ -1,13 +1,19 @@
-// attention_sm90_tf32.cu -- float32 attention forward with precision="tf32" on Hopper
-// (sm_90a: wgmma .tf32).
+// attention_sm90_tf32.cu -- float32 attention forward on Hopper's TF32 tensor cores
+// (sm_90a: wgmma .tf32), precision="tf32" and, by the 3xTF32 split, "highest".
 //
-// Computes:   the same function as attention_mma_wide.cu with T = float and
-//             precision="tf32" (API.md semantics; reference
-//             cuattn/reference.py::attention_reference; yardstick naive_attention with the
-//             same roundings): the operands of both products (q, k, P, v) are rounded to
-//             TF32 (to nearest, cvt.rna) on chip. The instruction itself would truncate (it
-//             ignores the low 13 bits); truncating K missed the accuracy rule by up to 1.8x
-//             (docs/kernels.rst). Score transform and online softmax as the other
+// Computes:   the same function as attention_mma_wide.cu with T = float (API.md semantics;
+//             reference cuattn/reference.py::attention_reference). SPLIT = false
+//             (precision="tf32"; yardstick naive_attention with the same roundings): the
+//             operands of both products (q, k, P, v) are rounded to TF32 (to nearest,
+//             cvt.rna) on chip. The instruction itself would truncate (it ignores the low 13
+//             bits); truncating K missed the accuracy rule by up to 1.8x (docs/kernels.rst).
+//             SPLIT = true (precision="highest"; yardstick plain float32): each operand x is
+//             split into hi = tf32(x) and lo = x - hi (the instruction reads lo's top 19
+//             bits), and every product is A_hi B_lo + A_lo B_hi + A_hi B_hi, the two small
+//             terms first so that the accumulator's truncation happens on small partial
+//             sums; P V of each key tile goes into fresh accumulators added to O in float32
+//             (accumulating into O itself truncates O once per step and missed the accuracy
+//             rule by 2x: docs/kernels.rst). Score transform and online softmax as the other
 //             tensor-core forwards (mma_softmax.cuh), float32 throughout.
 // Layout:     AttnParams (common.cuh) with element strides; ALIGNED instances need unit
 //             column strides, 16-byte aligned rows and D, Dv multiples of 4 (checked in
@@ -27,12 +33,15 @@
 //             transposed. Q as register fragments (S by the register form) was tried: ptxas
 //             gave P's fragments the registers of the loop-invariant Q fragments without
 //             restoring them (wrong results; docs/kernels.rst).
-// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
-//             two stages of K, the V staging tile and V^T, every tile in the 128-byte-swizzle
-//             layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
-//             cuattn/_dispatch.py::sm90_smem_bytes (itemsize 4) computes the same number.
+//             With K_STAGES = 1 (the split's D128 tiles, for shared memory) the next K tile
+//             is requested as soon as every warpgroup's S product has read the current one.
+// Shared mem: (BLOCK_M*HEAD_DIM*P + K_STAGES*P*BLOCK_N*HEAD_DIM + (1 + P)*BLOCK_N*HEAD_DIM_V)
+//             * 4 bytes with P = 2 parts (hi, lo) when SPLIT, else 1: Q, K_STAGES stages of
+//             K, the V staging tile and V^T, every tile in the 128-byte-swizzle layout of
+//             wgmma (sm90_tiles.cuh) with 32-float column groups, each lo part right after its
+//             hi part. cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
-//             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
+//             64 or 128); NUM_WG; SPLIT; K_STAGES (1 or 2); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
 #include "sm90_tiles.cuh"
 
@@ -43,27 +52,32 @@ using namespace cuattn::sm90;
 namespace {
 
 // Round to TF32 in place the chunks of a ROWS-row tile (K, or Q) that this thread copied
-// (for_own_chunks).
-template <int ROWS, int COLS, int THREADS, bool ALIGNED>
+// (for_own_chunks); with SPLIT, the remainders x - tf32(x) go to the same places of the lo
+// tile that follows (ROWS * COLS floats on).
+template <int ROWS, int COLS, int THREADS, bool ALIGNED, bool SPLIT>
 __device__ __forceinline__ void round_own_tf32(float* tile) {
     for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<ROWS, 4>(), [&](int at) {
         float4* c = reinterpret_cast<float4*>(tile + at);
-        float4 x = *c;
-        x.x = __uint_as_float(to_tf32(x.x));
-        x.y = __uint_as_float(to_tf32(x.y));
-        x.z = __uint_as_float(to_tf32(x.z));
-        x.w = __uint_as_float(to_tf32(x.w));
-        *c = x;
+        const float4 x = *c;
+        float4 h;
+        h.x = __uint_as_float(to_tf32(x.x));
+        h.y = __uint_as_float(to_tf32(x.y));
+        h.z = __uint_as_float(to_tf32(x.z));
+        h.w = __uint_as_float(to_tf32(x.w));
+        *c = h;
+        if constexpr (SPLIT)
+            c[ROWS * COLS / 4] = make_float4(x.x - h.x, x.y - h.y, x.z - h.z, x.w - h.w);
     });
 }
 
 // V^T (HEAD_DIM_V rows, keys K-contiguous at tf32_key_position) from the staged V tile
-// (BLOCK_N key rows), rounded to TF32. A warp moves 16 keys x 8 columns per step: lane
+// (BLOCK_N key rows), rounded to TF32; with SPLIT the remainders go to the lo tile that
+// follows V^T (HEAD_DIM_V * BLOCK_N floats on). A warp moves 16 keys x 8 columns per step: lane
 // (n = lane % 16, h = lane / 16) reads 4 columns of key n (one 16-byte load; eight
 // consecutive keys hit eight distinct chunks) and writes them to 4 rows of V^T; rows
 // 4h + e of the two half-warps differ in bit 2 of the swizzle, so the 32 scalar stores of
 // a step hit 32 distinct banks.
-template <int BLOCK_N, int HEAD_DIM_V, int THREADS>
+template <int BLOCK_N, int HEAD_DIM_V, int THREADS, bool SPLIT>
 __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
     constexpr int KEY_BLOCKS = BLOCK_N / 16, STEPS = KEY_BLOCKS * HEAD_DIM_V / 8;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -73,30 +87,38 @@ __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
         const int n = (u % KEY_BLOCKS) * 16 + n_in, c = (u / KEY_BLOCKS) * 8 + 4 * h;
         const float4 x = *reinterpret_cast<const float4*>(vs + Sw128<BLOCK_N, 4>()(n, c));
         const int pos = tf32_key_position(n);
-        vt[Sw128<HEAD_DIM_V, 4>()(c, pos)] = __uint_as_float(to_tf32(x.x));
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 1, pos)] = __uint_as_float(to_tf32(x.y));
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 2, pos)] = __uint_as_float(to_tf32(x.z));
-        vt[Sw128<HEAD_DIM_V, 4>()(c + 3, pos)] = __uint_as_float(to_tf32(x.w));
+        auto put = [&](int col, float value) {
+            const int at = Sw128<HEAD_DIM_V, 4>()(col, pos);
+            const float h = __uint_as_float(to_tf32(value));
+            vt[at] = h;
+            if constexpr (SPLIT) vt[HEAD_DIM_V * BLOCK_N + at] = value - h;
+        };
+        put(c, x.x);
+        put(c + 1, x.y);
+        put(c + 2, x.z);
+        put(c + 3, x.w);
     }
 }
 
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
-          bool ALIGNED, int MIN_BLOCKS>
+          bool SPLIT, int K_STAGES, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     attention_fwd_sm90_tf32(const AttnParams p) {
     constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
+    static_assert(K_STAGES == 1 || K_STAGES == 2, "one or two K stages");
+    constexpr int PARTS = SPLIT ? 2 : 1;  // hi (and lo) of every operand tile
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
-    float* k_s = q_s + NUM_WG * Q_ELEMS;              // [2][BLOCK_N x HEAD_DIM]
-    float* v_s = k_s + 2 * K_ELEMS;                   // [BLOCK_N x HEAD_DIM_V], as stored
-    float* vt_s = v_s + V_ELEMS;                      // [HEAD_DIM_V x BLOCK_N], transposed
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][PARTS][64 x HEAD_DIM]
+    float* k_s = q_s + NUM_WG * PARTS * Q_ELEMS;      // [K_STAGES][PARTS][BLOCK_N x HEAD_DIM]
+    float* v_s = k_s + K_STAGES * PARTS * K_ELEMS;    // [BLOCK_N x HEAD_DIM_V], as stored
+    float* vt_s = v_s + V_ELEMS;                      // [PARTS][HEAD_DIM_V x BLOCK_N], transposed
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const BlockCoords blk = block_coords(p.num_m_blocks, 1,
@@ -120,7 +142,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_k = [&](int n0, int stage) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * PARTS * K_ELEMS, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                        p.head_dim, Sw128<BLOCK_N, 4>());
     };
@@ -133,7 +155,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     // group, rounded to TF32 in place as soon as they land
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
-        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * PARTS * Q_ELEMS, q + w * 64 * p.q_s.row,
                                                   p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
                                                   p.head_dim, Sw128<64, 4>());
     if (n_lo < n_hi) request_k(n_lo, 0);
@@ -141,9 +163,10 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     if (n_lo < n_hi) request_v(n_lo);
     cp_async_commit();
     cp_async_wait<1>();
-    if (n_lo < n_hi) round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s);
+    if (n_lo < n_hi) round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT>(k_s);
 #pragma unroll
-    for (int w = 0; w < NUM_WG; ++w) round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS);
+    for (int w = 0; w < NUM_WG; ++w)
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, SPLIT>(q_s + w * PARTS * Q_ELEMS);
 
     float o[DV_TILES][4], m[2], l[2];
     m[0] = m[1] = neg_inf<float>();
@@ -154,26 +177,40 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
     const SoftmaxExp2<float> exp2_fn(lane);
 
-    const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
+    const unsigned q_base = smem_addr(q_s + wg * PARTS * Q_ELEMS), k_base = smem_addr(k_s),
                    vt_base = smem_addr(vt_s);
+    // byte distances from a hi tile to its lo tile
+    constexpr unsigned Q_LO = Q_ELEMS * 4, K_LO = K_ELEMS * 4, VT_LO = V_ELEMS * 4;
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
     int stage = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % K_STAGES) {
         const bool more = n0 + BLOCK_N < n_hi;
-        if (more) request_k(n0 + BLOCK_N, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();   // all but the K tile just requested have landed ...
+        const int next = (stage + 1) % K_STAGES;
+        if (K_STAGES == 2 && more) request_k(n0 + BLOCK_N, next);
+        cp_async_commit();    // (empty with one K stage)
+        cp_async_wait<1>();   // all but the group just committed have landed ...
         fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
         __syncthreads();      // ... for every thread: this K tile and the staged V tile
 
-        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs
+        // S = Q K^T, both operands K-contiguous in shared memory (SPLIT: the small terms
+        // first); V^T while it runs
         float s[BLOCK_N / 8][4];
+        const unsigned k_tile = k_base + stage * PARTS * K_LO;
         wgmma_fence();
-        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_base + stage * K_ELEMS * 4);
+        if constexpr (SPLIT) {
+            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile + K_LO);
+            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base + Q_LO, k_tile, true);
+        }
+        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile, SPLIT);
         wgmma_commit();
-        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS>(vt_s, v_s);
+        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
         wgmma_wait<0>();
+        if constexpr (K_STAGES == 1) {
+            __syncthreads();  // every warpgroup's S has read the K tile: refill it
+            if (more) request_k(n0 + BLOCK_N, 0);
+            cp_async_commit();
+        }
 
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
@@ -185,16 +222,31 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         if (more) request_v(n0 + BLOCK_N);
         cp_async_commit();
 
-        // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order
-        unsigned p_frag[BLOCK_N / 8][4];
-        tf32_fragments<BLOCK_N>(p_frag, s);
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
+        // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order.
+        // SPLIT: this tile's P V in fresh accumulators, the small terms first, then added
+        unsigned p_frag[BLOCK_N / 8][4], p_lo[SPLIT ? BLOCK_N / 8 : 1][4];
+        float pv[SPLIT ? DV_TILES : 1][4];  // read by the tensor cores until the wait below
+        if constexpr (SPLIT) {
+            tf32_split_fragments<BLOCK_N>(p_frag, p_lo, s);
+            product_rs_tf32<HEAD_DIM_V, BLOCK_N>(pv, p_frag, vt_base + VT_LO, false);
+            product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_lo, vt_base, true);
+            product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_frag, vt_base, true);
+        } else {
+            tf32_fragments<BLOCK_N>(p_frag, s);
+            product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
+        }
         wgmma_commit();
         if (more) {  // while it runs: round the next K tile (landed: only V is younger)
             cp_async_wait<1>();
-            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + (stage ^ 1) * K_ELEMS);
+            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT>(k_s + next * PARTS * K_ELEMS);
         }
         wgmma_wait<0>();
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[d][e] += pv[d][e];
+        }
         __syncthreads();  // V^T and this K stage are consumed before they are refilled
     }
     cp_async_wait<0>();  // no copy may outlive the block

@@ -12,7 +12,8 @@
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
-//               makes them from accumulators, contraction permuted), B K-contiguous
+//               makes them from accumulators, contraction permuted; tf32_split_fragments
+//               the hi and lo parts of the 3xTF32 split), B K-contiguous
 #pragma once
 
 #include "mma_tiles.cuh"
@@ -47,18 +48,19 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// acc (64 x N per warpgroup) = A B^T over CONTRACT columns, A (64 rows) and B (N rows) both
-// K-contiguous tiles in shared memory: 32 bytes of columns per step (16 of 16-bit T, 8 of
-// TF32) inside a 128-byte column group; groups 64 * 128 bytes (A) and N * 128 bytes (B)
-// apart. Issues only: the caller fences before and commits and waits after.
+// acc (64 x N per warpgroup) (+)= A B^T over CONTRACT columns, A (64 rows) and B (N rows)
+// both K-contiguous tiles in shared memory: 32 bytes of columns per step (16 of 16-bit T, 8
+// of TF32) inside a 128-byte column group; groups 64 * 128 bytes (A) and N * 128 bytes (B)
+// apart. Without `accumulate` the first step overwrites acc. Issues only: the caller fences
+// before and commits and waits after.
 template <int N, int CONTRACT, typename T>
 __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_tile,
-                                           unsigned b_tile) {
+                                           unsigned b_tile, bool accumulate = false) {
 #pragma unroll
     for (int kk = 0; kk < CONTRACT * (int)sizeof(T) / 32; ++kk) {
         const unsigned col = (kk % 4) * 32;
         Wgmma<N, T>::ss(acc, sw128_desc(a_tile + (kk / 4) * 64 * 128 + col, 0),
-                        sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), kk > 0);
+                        sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), accumulate || kk > 0);
     }
 }
 
@@ -93,13 +95,14 @@ __device__ __forceinline__ int tf32_key_position(int n) {
 // acc (64 x N) (+)= A B^T for TF32 with A (64 x CONTRACT) in registers -- a[kk] the
 // m16n8k8 A fragment of the warp's 16 rows for contraction columns 8kk .. 8kk + 7 -- and B
 // the N-row tile b_tile, K-contiguous (32-column groups N * 128 bytes apart): 8 columns (32
-// bytes) per step. scale_d = 0 on the first step overwrites acc. Fences and issues; the
-// caller commits and waits.
-template <int N, int CONTRACT>
+// bytes) per step. Without `accumulate` the first step overwrites acc. Fences (unless
+// FENCE is false: a later product of the same batch) and issues; the caller commits and
+// waits.
+template <int N, int CONTRACT, bool FENCE = true>
 __device__ __forceinline__ void product_rs_tf32(float (&acc)[N / 8][4],
                                                 const unsigned (&a)[CONTRACT / 8][4],
                                                 unsigned b_tile, bool accumulate) {
-    wgmma_fence();
+    if constexpr (FENCE) wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < CONTRACT / 8; ++kk)
         Wgmma<N, float>::rs(acc, a[kk], sw128_desc(b_tile + (kk / 4) * N * 128 + (kk % 4) * 32, 0),
@@ -120,6 +123,22 @@ __device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
         a[kk][1] = mma::to_tf32(x[kk][2]);  // (row g + 8, k = t)
         a[kk][2] = mma::to_tf32(x[kk][1]);  // (row g, k = t + 4): column 2t + 1
         a[kk][3] = mma::to_tf32(x[kk][3]);  // (row g + 8, k = t + 4)
+    }
+}
+
+// tf32_fragments for the 3xTF32 split: hi as tf32_fragments makes it, and lo = x - hi (exact
+// in float; the instruction reads its top 19 bits, which keeps x to about 2^-21).
+template <int ROWS>
+__device__ __forceinline__ void tf32_split_fragments(unsigned (&hi)[ROWS / 8][4],
+                                                     unsigned (&lo)[ROWS / 8][4],
+                                                     const float (&x)[ROWS / 8][4]) {
+    tf32_fragments<ROWS>(hi, x);
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 8; ++kk) {
+        lo[kk][0] = __float_as_uint(x[kk][0] - __uint_as_float(hi[kk][0]));
+        lo[kk][1] = __float_as_uint(x[kk][2] - __uint_as_float(hi[kk][1]));
+        lo[kk][2] = __float_as_uint(x[kk][1] - __uint_as_float(hi[kk][2]));
+        lo[kk][3] = __float_as_uint(x[kk][3] - __uint_as_float(hi[kk][3]));
     }
 }
 

@@ -33,7 +33,9 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F16, 64, gpu=A100).family == "mma"      # sm_90a code runs on sm_90 only
     assert forward(F16, 64, gpu=((10, 0), 232448)).family == "mma"
     assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
-    assert forward(F32, 128).family == "portable"         # "highest" stays exact
+    assert forward(F32, 128).family == "sm90_3xtf32"      # "highest": split TF32 on Hopper
+    assert forward(F32, 256).family == "portable"         # beyond sm90_3xtf32
+    assert forward(F32, 128, gpu=A100).family == "portable"  # "highest" elsewhere
     assert forward(F32, 128, precision="tf32").family == "sm90_tf32"  # Hopper: wgmma
     assert forward(F32, 256, precision="tf32").family == "mma_f32"    # beyond sm90_tf32
     assert forward(F32, 128, gpu=A100, precision="tf32").family == "mma_f32"
@@ -55,14 +57,29 @@ def test_sm90_tf32_instances_and_shared_memory():
     choice = forward(F32, 100, precision="tf32")
     assert choice.family == "sm90_tf32"
     assert choice.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    assert choice.shared_mem == d.sm90_smem_bytes(d.Sm90Tiles(128, 64), 128, 128, 4)
+    assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
-    assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
     assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
+
+
+def test_sm90_3xtf32_instances_and_shared_memory():
+    # float32 "highest" on Hopper: the same kernel with SPLIT; Q, K and V^T held twice (hi
+    # and lo parts); D128 keeps one K stage to fit 227 KB
+    d128 = forward(F32, 128)
+    assert d128.family == "sm90_3xtf32"
+    assert d128.name_expression == (
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, true, 1>")
+    assert d128.shared_mem == 4 * (2 * 128 * 128 + 1 * 2 * 32 * 128 + 3 * 32 * 128)
+    assert d128.shared_mem <= 232448
+    d64 = forward(F32, 64)
+    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
+    assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
+    assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
 
 
 def test_sm90_instances_and_shared_memory():

@@ -7,10 +7,11 @@
     PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
     PYTHONPATH=. python tools/sweep_tiles.py --f32    # mma_f32 family (float32 "tf32")
     PYTHONPATH=. python tools/sweep_tiles.py --sm90-tf32  # sm90_tf32 family (Hopper, "tf32")
+    PYTHONPATH=. python tools/sweep_tiles.py --sm90-3xtf32  # sm90_3xtf32 ("highest")
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
 cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
-SM90_TILES, SM90_TF32_TILES) with the
+SM90_TILES, SM90_TF32_TILES, SM90_3XTF32_TILES) with the
 measured reason.
 """
 import math
@@ -57,6 +58,11 @@ SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_bl
     ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(192, 64), Sm90Tiles(192, 32),
                        Sm90Tiles(128, 32)],
 }
+SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, k_stages)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64),
+                      Sm90Tiles(128, 64, 1, 1), Sm90Tiles(64, 64, 1, 1), Sm90Tiles(64, 32)],
+    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(64, 32), Sm90Tiles(64, 32, 1, 1)],
+}
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
                       MmaTiles(32, 32)],
@@ -68,6 +74,7 @@ def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
     table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
                      (SM90_TF32_CANDIDATES, "sm90_tf32") if "--sm90-tf32" in sys.argv else
+                     (SM90_3XTF32_CANDIDATES, "sm90_3xtf32") if "--sm90-3xtf32" in sys.argv else
                      (SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv else
                      (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
                      (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
