@@ -51,22 +51,28 @@ using namespace cuattn::sm90;
 
 namespace {
 
-// Round to TF32 in place the chunks of a ROWS-row tile (K, or Q) that this thread copied
-// (for_own_chunks); with SPLIT, the remainders x - tf32(x) go to the same places of the lo
-// tile that follows (ROWS * COLS floats on).
-template <int ROWS, int COLS, int THREADS, bool ALIGNED, bool SPLIT>
+// Round to TF32 in place the chunks of ROWS rows (K, or Q) that this thread copied
+// (for_own_chunks) into a LAYOUT_ROWS-row tile; with SPLIT, the remainders x - tf32(x) go
+// LO floats further on (the lo tile, or the lo rows of the same tile).
+template <int ROWS, int LAYOUT_ROWS, int COLS, int THREADS, bool ALIGNED, bool SPLIT, int LO>
 __device__ __forceinline__ void round_own_tf32(float* tile) {
-    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<ROWS, 4>(), [&](int at) {
+    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<LAYOUT_ROWS, 4>(), [&](int at) {
         float4* c = reinterpret_cast<float4*>(tile + at);
         const float4 x = *c;
-        float4 h;
-        h.x = __uint_as_float(to_tf32(x.x));
-        h.y = __uint_as_float(to_tf32(x.y));
-        h.z = __uint_as_float(to_tf32(x.z));
-        h.w = __uint_as_float(to_tf32(x.w));
+        float4 h, l;
+        if constexpr (SPLIT) {
+            split_tf32(x.x, h.x, l.x);
+            split_tf32(x.y, h.y, l.y);
+            split_tf32(x.z, h.z, l.z);
+            split_tf32(x.w, h.w, l.w);
+            c[LO / 4] = l;
+        } else {
+            h.x = __uint_as_float(to_tf32(x.x));
+            h.y = __uint_as_float(to_tf32(x.y));
+            h.z = __uint_as_float(to_tf32(x.z));
+            h.w = __uint_as_float(to_tf32(x.w));
+        }
         *c = h;
-        if constexpr (SPLIT)
-            c[ROWS * COLS / 4] = make_float4(x.x - h.x, x.y - h.y, x.z - h.z, x.w - h.w);
     });
 }
 
@@ -89,9 +95,14 @@ __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
         const int pos = tf32_key_position(n);
         auto put = [&](int col, float value) {
             const int at = Sw128<HEAD_DIM_V, 4>()(col, pos);
-            const float h = __uint_as_float(to_tf32(value));
-            vt[at] = h;
-            if constexpr (SPLIT) vt[HEAD_DIM_V * BLOCK_N + at] = value - h;
+            if constexpr (SPLIT) {
+                float h, l;
+                split_tf32(value, h, l);
+                vt[at] = h;
+                vt[HEAD_DIM_V * BLOCK_N + at] = l;
+            } else {
+                vt[at] = __uint_as_float(to_tf32(value));
+            }
         };
         put(c, x.x);
         put(c + 1, x.y);
@@ -113,10 +124,13 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     static_assert(K_STAGES == 1 || K_STAGES == 2, "one or two K stages");
     constexpr int PARTS = SPLIT ? 2 : 1;  // hi (and lo) of every operand tile
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    // a K stage is one tile of K_ROWS rows: with SPLIT the lo rows follow the hi rows, so
+    // that Q_hi [K_hi; K_lo]^T is one product
+    constexpr int K_ROWS = PARTS * BLOCK_N;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][PARTS][64 x HEAD_DIM]
-    float* k_s = q_s + NUM_WG * PARTS * Q_ELEMS;      // [K_STAGES][PARTS][BLOCK_N x HEAD_DIM]
+    float* k_s = q_s + NUM_WG * PARTS * Q_ELEMS;      // [K_STAGES][K_ROWS x HEAD_DIM]
     float* v_s = k_s + K_STAGES * PARTS * K_ELEMS;    // [BLOCK_N x HEAD_DIM_V], as stored
     float* vt_s = v_s + V_ELEMS;                      // [PARTS][HEAD_DIM_V x BLOCK_N], transposed
 
@@ -142,14 +156,17 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_k = [&](int n0, int stage) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * PARTS * K_ELEMS, k + n0 * p.k_s.row,
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ROWS * HEAD_DIM, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<BLOCK_N, 4>());
+                                                       p.head_dim, Sw128<K_ROWS, 4>());
     };
     auto request_v = [&](int n0) {
         load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
                                                          p.v_s.col, p.seqlen_k - n0,
                                                          p.head_dim_v, Sw128<BLOCK_N, 4>());
+    };
+    auto round_own_k = [&](float* tile) {  // lo rows BLOCK_N rows (of 32 floats) further on
+        round_own_tf32<BLOCK_N, K_ROWS, HEAD_DIM, THREADS, ALIGNED, SPLIT, BLOCK_N * 32>(tile);
     };
     // each warpgroup's 64 rows of Q form one 64-row tile; Q and the first K tile are one
     // group, rounded to TF32 in place as soon as they land
@@ -163,10 +180,10 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     if (n_lo < n_hi) request_v(n_lo);
     cp_async_commit();
     cp_async_wait<1>();
-    if (n_lo < n_hi) round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT>(k_s);
+    if (n_lo < n_hi) round_own_k(k_s);
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
-        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, SPLIT>(q_s + w * PARTS * Q_ELEMS);
+        round_own_tf32<64, 64, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + w * PARTS * Q_ELEMS);
 
     float o[DV_TILES][4], m[2], l[2];
     m[0] = m[1] = neg_inf<float>();
@@ -180,7 +197,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const unsigned q_base = smem_addr(q_s + wg * PARTS * Q_ELEMS), k_base = smem_addr(k_s),
                    vt_base = smem_addr(vt_s);
     // byte distances from a hi tile to its lo tile
-    constexpr unsigned Q_LO = Q_ELEMS * 4, K_LO = K_ELEMS * 4, VT_LO = V_ELEMS * 4;
+    constexpr unsigned Q_LO = Q_ELEMS * 4, VT_LO = V_ELEMS * 4;
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
     int stage = 0;
@@ -193,19 +210,29 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
         __syncthreads();      // ... for every thread: this K tile and the staged V tile
 
-        // S = Q K^T, both operands K-contiguous in shared memory (SPLIT: the small terms
-        // first); V^T while it runs
+        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs. SPLIT:
+        // [Q_hi K_hi^T | Q_hi K_lo^T] by one product, Q_lo K_hi^T by another, each term in
+        // its own accumulators (then summed in float32, the small terms first)
         float s[BLOCK_N / 8][4];
-        const unsigned k_tile = k_base + stage * PARTS * K_LO;
+        float s_wide[SPLIT ? 2 * BLOCK_N / 8 : 1][4];
+        const unsigned k_tile = k_base + stage * K_ROWS * HEAD_DIM * 4;
         wgmma_fence();
         if constexpr (SPLIT) {
-            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile + K_LO);
-            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base + Q_LO, k_tile, true);
+            product_ss<2 * BLOCK_N, HEAD_DIM, float>(s_wide, q_base, k_tile);
+            product_ss<BLOCK_N, HEAD_DIM, float, 2 * BLOCK_N>(s, q_base + Q_LO, k_tile);
+        } else {
+            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile);
         }
-        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile, SPLIT);
         wgmma_commit();
         transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
         wgmma_wait<0>();
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[j][e] = s_wide[j][e] + (s_wide[BLOCK_N / 8 + j][e] + s[j][e]);
+        }
         if constexpr (K_STAGES == 1) {
             __syncthreads();  // every warpgroup's S has read the K tile: refill it
             if (more) request_k(n0 + BLOCK_N, 0);
@@ -238,7 +265,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         wgmma_commit();
         if (more) {  // while it runs: round the next K tile (landed: only V is younger)
             cp_async_wait<1>();
-            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT>(k_s + next * PARTS * K_ELEMS);
+            round_own_k(k_s + next * K_ROWS * HEAD_DIM);
         }
         wgmma_wait<0>();
         if constexpr (SPLIT) {
@@ -247,7 +274,9 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[d][e] += pv[d][e];
         }
-        __syncthreads();  // V^T and this K stage are consumed before they are refilled
+        // no barrier here: V^T is rewritten only after the next iteration's first barrier,
+        // which every thread reaches after its own P V, and the K stage refilled next was
+        // read by the S before this iteration's second barrier
     }
     cp_async_wait<0>();  // no copy may outlive the block
 

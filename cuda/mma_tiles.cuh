@@ -74,6 +74,16 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     return r;
 }
 
+// The 3xTF32 split x = hi + lo (attention_sm90_tf32.cu): hi = x rounded to TF32 as to_tf32
+// rounds it, by an integer add and mask (two instructions where cvt.rna takes four), and
+// lo = x - hi, exact. The add-and-mask alone mishandles NaN (0x7fffffff wraps to -0) and
+// rounds values near FLT_MAX up to infinity; lo is then NaN or infinite, so products of the
+// split still come out NaN or infinite: use hi only together with lo.
+__device__ __forceinline__ void split_tf32(float x, float& hi, float& lo) {
+    hi = __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
+    lo = x - hi;
+}
+
 // element offset of (row, col) in a swizzled tile of COLS columns (COLS % 64 == 0)
 template <int COLS>
 __device__ __forceinline__ int swizzle(int row, int col) {

@@ -48,19 +48,20 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// acc (64 x N per warpgroup) (+)= A B^T over CONTRACT columns, A (64 rows) and B (N rows)
-// both K-contiguous tiles in shared memory: 32 bytes of columns per step (16 of 16-bit T, 8
-// of TF32) inside a 128-byte column group; groups 64 * 128 bytes (A) and N * 128 bytes (B)
-// apart. Without `accumulate` the first step overwrites acc. Issues only: the caller fences
-// before and commits and waits after.
-template <int N, int CONTRACT, typename T>
+// acc (64 x N per warpgroup) (+)= A B^T over CONTRACT columns, A (64 rows) and B (N rows;
+// the first N of a B_ROWS-row tile) both K-contiguous tiles in shared memory: 32 bytes of
+// columns per step (16 of 16-bit T, 8 of TF32) inside a 128-byte column group; groups
+// 64 * 128 bytes (A) and B_ROWS * 128 bytes (B) apart. Without `accumulate` the first step
+// overwrites acc. Issues only: the caller fences before and commits and waits after.
+template <int N, int CONTRACT, typename T, int B_ROWS = N>
 __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_tile,
                                            unsigned b_tile, bool accumulate = false) {
 #pragma unroll
     for (int kk = 0; kk < CONTRACT * (int)sizeof(T) / 32; ++kk) {
         const unsigned col = (kk % 4) * 32;
         Wgmma<N, T>::ss(acc, sw128_desc(a_tile + (kk / 4) * 64 * 128 + col, 0),
-                        sw128_desc(b_tile + (kk / 4) * N * 128 + col, 0), accumulate || kk > 0);
+                        sw128_desc(b_tile + (kk / 4) * B_ROWS * 128 + col, 0),
+                        accumulate || kk > 0);
     }
 }
 
@@ -126,20 +127,22 @@ __device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
     }
 }
 
-// tf32_fragments for the 3xTF32 split: hi as tf32_fragments makes it, and lo = x - hi (exact
-// in float; the instruction reads its top 19 bits, which keeps x to about 2^-21).
+// tf32_fragments for the 3xTF32 split (mma::split_tf32): the hi and lo parts, in the same
+// order (the instruction reads lo's top 19 bits, which keeps x to about 2^-21).
 template <int ROWS>
 __device__ __forceinline__ void tf32_split_fragments(unsigned (&hi)[ROWS / 8][4],
                                                      unsigned (&lo)[ROWS / 8][4],
                                                      const float (&x)[ROWS / 8][4]) {
-    tf32_fragments<ROWS>(hi, x);
+    constexpr int FROM[4] = {0, 2, 1, 3};  // fragment register e holds x element FROM[e]
 #pragma unroll
-    for (int kk = 0; kk < ROWS / 8; ++kk) {
-        lo[kk][0] = __float_as_uint(x[kk][0] - __uint_as_float(hi[kk][0]));
-        lo[kk][1] = __float_as_uint(x[kk][2] - __uint_as_float(hi[kk][1]));
-        lo[kk][2] = __float_as_uint(x[kk][1] - __uint_as_float(hi[kk][2]));
-        lo[kk][3] = __float_as_uint(x[kk][3] - __uint_as_float(hi[kk][3]));
-    }
+    for (int kk = 0; kk < ROWS / 8; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float h, l;
+            mma::split_tf32(x[kk][FROM[e]], h, l);
+            hi[kk][e] = __float_as_uint(h);
+            lo[kk][e] = __float_as_uint(l);
+        }
 }
 
 }  // namespace sm90

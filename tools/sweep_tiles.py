@@ -9,6 +9,9 @@
     PYTHONPATH=. python tools/sweep_tiles.py --sm90-tf32  # sm90_tf32 family (Hopper, "tf32")
     PYTHONPATH=. python tools/sweep_tiles.py --sm90-3xtf32  # sm90_3xtf32 ("highest")
 
+``--shape B,H,S`` times that shape instead of the default B4 H16 S4096 (B1 for float64),
+e.g. ``--sm90 bfloat16 --shape 64,12,197`` for the vit suite's ViT-B/16.
+
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
 cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
 SM90_TILES, SM90_TF32_TILES, SM90_3XTF32_TILES) with the
@@ -49,7 +52,7 @@ F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
 }
 SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
     ("bfloat16", 64): [Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64, 3), Sm90Tiles(64, 64),
-                       Sm90Tiles(64, 128)],
+                       Sm90Tiles(64, 128), Sm90Tiles(128, 64), Sm90Tiles(128, 128)],
     ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 64)],
 }
 SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
@@ -80,11 +83,17 @@ def main():
                      (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
                      (CANDIDATES, "portable"))
     extra = {"precision": "tf32"} if family in ("mma_f32", "sm90_tf32") else {}
-    dtypes = [a for a in sys.argv[1:] if not a.startswith("--")]  # e.g. float32: only those
+    args = sys.argv[1:]
+    shape = None
+    if "--shape" in args:
+        at = args.index("--shape")
+        shape = tuple(int(x) for x in args[at + 1].split(","))
+        del args[at:at + 2]
+    dtypes = [a for a in args if not a.startswith("--")]  # e.g. float32: only those
     for (dtype, d), cands in table.items():
         if dtypes and dtype not in dtypes:
             continue
-        b, h, s = (1, 16, 4096) if dtype == "float64" else (4, 16, 4096)
+        b, h, s = shape or ((1, 16, 4096) if dtype == "float64" else (4, 16, 4096))
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
         for causal in (False, True):
             flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
