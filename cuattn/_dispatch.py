@@ -264,7 +264,7 @@ class Sm90Tiles:
     block_m: int   # query rows per block: one warpgroup (128 threads) per 64 rows
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
-    k_stages: int = 2  # K tiles in flight (float kernel only; the 16-bit one always has 2)
+    stages: int = 2  # tile buffers: of K and V (16-bit kernel), of K (float kernel)
 
     @property
     def num_warps(self) -> int:
@@ -301,12 +301,12 @@ SM90_TF32_TILES = (
 #: sm90_3xtf32 family (precision "highest"), as SM90_TF32_TILES. Every operand tile is held
 #: twice (hi and lo parts), so D128 fits 227 KB only with one K stage or one warpgroup.
 SM90_3XTF32_TILES = (
-    (64, (Sm90Tiles(128, 64), Sm90Tiles(128, 64, k_stages=1), Sm90Tiles(64, 64, k_stages=1)),
+    (64, (Sm90Tiles(128, 64), Sm90Tiles(128, 64, stages=1), Sm90Tiles(64, 64, stages=1)),
      "H200 fp32 highest B4 H16 S4096 D64 (session 7, tools/sweep_tiles.py --sm90-3xtf32): two "
      "warpgroups with 64-key tiles 81.6 / 72.0 TFLOP/s (non-causal / causal), with one K "
      "stage 80.0 / 72.7, one warpgroup with one K stage (two blocks per SM) 76.5 / 73.2, "
      "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers)"),
-    (128, (Sm90Tiles(128, 32, k_stages=1), Sm90Tiles(64, 32, k_stages=1), Sm90Tiles(64, 32)),
+    (128, (Sm90Tiles(128, 32, stages=1), Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
      "H200 fp32 highest D128: two warpgroups with 32-key tiles and one K stage (208 KB) "
      "85.6 / 83.6, one warpgroup 56.5 / 54.4 (two K stages 54.5 / 54.1); 64-key tiles do "
      "not fit 227 KB with two warpgroups"),
@@ -315,17 +315,17 @@ SM90_3XTF32_TILES = (
 
 def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
     """Dynamic shared memory of attention_fwd_sm90 (16-bit elements; see the .cu header):
-    Q and two stages of K and of V."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 2
+    Q and tiles.stages stages of K and of V."""
+    return (tiles.block_m * head_dim + tiles.stages * tiles.block_n * (head_dim + head_dim_v)) * 2
 
 
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
                          split: bool = False) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
-    header): Q, tiles.k_stages stages of K, the V staging tile and V^T, with Q, K and V^T
+    header): Q, tiles.stages stages of K, the V staging tile and V^T, with Q, K and V^T
     held twice (hi and lo) when ``split``."""
     parts = 2 if split else 1
-    return (tiles.block_m * head_dim * parts + tiles.k_stages * parts * tiles.block_n * head_dim
+    return (tiles.block_m * head_dim * parts + tiles.stages * parts * tiles.block_n * head_dim
             + (1 + parts) * tiles.block_n * head_dim_v) * 4
 
 
@@ -346,11 +346,12 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
                              f"head dims {head_dim}, {head_dim_v}")
     if family == "sm90":
         filename, kernel, type_arg, float_args = (
-            "attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ", "")
+            "attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ",
+            f"{tiles.stages}, ")
     else:
         filename, kernel, type_arg, float_args = (
             "attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", "",
-            f"{str(split).lower()}, {tiles.k_stages}, ")
+            f"{str(split).lower()}, {tiles.stages}, ")
     expr = (f"{kernel}<{type_arg}{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, "
             f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {float_args}"
             f"{str(aligned).lower()}, {tiles.min_blocks}>")

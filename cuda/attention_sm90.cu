@@ -11,19 +11,20 @@
 // Ownership:  a block of NUM_WG warpgroups owns BLOCK_M = 64 * NUM_WG query rows of one
 //             batch entry and all Dv columns; warpgroup w owns rows 64w .. 64w + 63 and its
 //             warp v rows 64w + 16v .. + 15 of every accumulator tile.
-// Algorithm:  K and V tiles of BLOCK_N keys arrive by cp.async one tile ahead into two
-//             stages (as attention_mma.cu); per tile: S = Q K^T by HEAD_DIM / 16 wgmma
+// Algorithm:  K and V tiles of BLOCK_N keys arrive by cp.async STAGES - 1 tiles ahead into a
+//             ring of STAGES stages (two: as attention_mma.cu; more for short loops, whose
+//             few tiles would otherwise each wait for their copy); per tile: S = Q K^T by HEAD_DIM / 16 wgmma
 //             steps with Q and K in shared memory; score transform and online softmax in
 //             registers; P converted to T in registers and used as the A operand of
 //             O += P V (HEAD_DIM_V = N of the instruction, V through a transposed
 //             descriptor).
-// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T),
+// Shared mem: (BLOCK_M*HEAD_DIM + STAGES*BLOCK_N*(HEAD_DIM + HEAD_DIM_V)) * sizeof(T),
 //             every tile in the canonical 128-byte-swizzle layout of wgmma: 64-column
 //             groups stored one after another, each group's rows 128 bytes apart with
 //             16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned.
 //             cuattn/_dispatch.py::sm90_smem_bytes computes the same number.
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
-//             or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
+//             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
 #include "sm90_tiles.cuh"
 
@@ -32,18 +33,19 @@ using namespace cuattn::mma;
 using namespace cuattn::sm90;
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WG, bool ALIGNED, int MIN_BLOCKS>
+          int NUM_WG, int STAGES, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(const AttnParams p) {
     constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
+    static_assert(STAGES >= 2 && STAGES <= 4, "cp_async_wait takes STAGES - 1");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
-    T* k_s = q_s + NUM_WG * Q_ELEMS;          // [2][BLOCK_N x HEAD_DIM]
-    T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N x HEAD_DIM_V]
+    T* k_s = q_s + NUM_WG * Q_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM]
+    T* v_s = k_s + STAGES * K_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const BlockCoords blk = block_coords(p.num_m_blocks, 1,
@@ -80,8 +82,12 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
                                                   p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
                                                   p.head_dim, Sw128<64>());
-    if (n_lo < n_hi) request_kv(n_lo, 0);
-    cp_async_commit();
+    // Q and the first STAGES - 1 tiles, one group each (Q with the first)
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (n_lo + t * BLOCK_N < n_hi) request_kv(n_lo + t * BLOCK_N, t);
+        cp_async_commit();
+    }
 
     float o[DV_TILES][4], m[2], l[2];
     m[0] = m[1] = neg_inf<float>();
@@ -97,10 +103,11 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
     int stage = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
-        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % STAGES) {
+        const int ahead = n0 + (STAGES - 1) * BLOCK_N;  // into the stage consumed last
+        if (ahead < n_hi) request_kv(ahead, (stage + STAGES - 1) % STAGES);
         cp_async_commit();
-        cp_async_wait<1>();   // all but the group just issued have landed ...
+        cp_async_wait<STAGES - 1>();  // all but the groups of later tiles have landed ...
         fence_proxy_async();  // ... are visible to the tensor cores ...
         __syncthreads();      // ... for every thread: Q (first time), this tile's K and V
 

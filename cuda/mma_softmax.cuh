@@ -14,9 +14,10 @@
 namespace cuattn {
 namespace mma {
 
-// Does the tile of rows m0 .. m_last (m_last = min(m0 + BLOCK_M, seqlen_q) - 1) and keys
-// n0 .. n0 + BLOCK_N - 1 lie inside both sequences and inside the causal/window band for
-// every element, so that mask_scores may skip the masking? Positions in 32 bits (checked in
+// Do the keys n0 .. n0 + BLOCK_N - 1 lie inside the key sequence and inside the
+// causal/window band of every row m0 .. m_last (m_last = min(m0 + BLOCK_M, seqlen_q) - 1),
+// so that mask_scores may skip the masking? Rows past seqlen_q do not count (mask_scores:
+// they are never stored). Positions in 32 bits (checked in
 // Python), off = seqlen_k - seqlen_q: the 16-bit and sm90_tf32 forwards. The same predicate
 // in 64-bit positions: attention_mma_wide.cu (spelled out; this helper there changed its
 // SASS) and backward.cuh's tile_is_interior.
@@ -24,7 +25,7 @@ template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long long m0,
                                                       int m_last, int n0, int seqlen_q,
                                                       int seqlen_k, int off) {
-    return n0 + BLOCK_N <= seqlen_k && m0 + BLOCK_M <= seqlen_q &&
+    return n0 + BLOCK_N <= seqlen_k &&
            (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
            (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
 }
@@ -34,31 +35,65 @@ __device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long 
 // Returns the factor still to be applied: an interior tile without softcap or bias is left
 // in raw units and update_row_state folds scale_log2 into its exp2 argument (one fma in
 // place of a multiply and a subtraction); otherwise the scores are final and the factor 1.
+// Rows at or beyond seqlen_q are never stored, so they need no masking; with a mask or bias
+// they are masked all the same, which keeps those reads in bounds. Softcap and the band are
+// decided once per tile (uniform branches), not per element.
 template <int BLOCK_N, bool HAS_MASK, typename BiasT, typename A>
 __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParams& p,
                                             long long row0, long long col0, int lane,
                                             bool interior, const unsigned char* mask,
                                             const BiasT* bias) {
+    constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
     const A scale_log2 = A(p.scale * LOG2E);
     const A softcap = A(p.softcap);
-    if (interior && softcap == A(0) && is_same_v<BiasT, NoBias>) return scale_log2;
-    const A cap_over_scale = softcap > A(0) ? A(p.scale / p.softcap) : A(0);
-    const long long off = p.seqlen_k - p.seqlen_q;
+    if (interior && softcap == A(0) && !HAS_BIAS) return scale_log2;
+    if (softcap > A(0)) {
+        const A cap_over_scale = A(p.scale / p.softcap), cap_log2 = softcap * A(LOG2E);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = cap_log2 * tanh_acc(s[j][e] * cap_over_scale);
+    } else {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+    }
+    if (interior && !HAS_BIAS) return A(1);
+    // Element (j, e) is key 8j + e%2 past this lane's first column c0 and row h = e/2 of
+    // the lane's two: it is allowed when lo[h] <= 8j + e%2 < hi[h], the key bound and the
+    // band of row h as limits relative to c0, clamped to the tile (32-bit compares with
+    // immediates in the unrolled loop).
+    const long long c0 = col0 + 2 * (lane % 4), off = p.seqlen_k - p.seqlen_q;
+    int lo[2], hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = row0 + lane / 4 + 8 * h;
+        long long a = -1, z = BLOCK_N + 1;
+        if (!interior) {
+            z = p.seqlen_k - c0;
+            if (p.window_left >= 0) a = r + off - p.window_left - c0;
+            if (p.window_right >= 0) z = min(z, r + off + p.window_right + 1 - c0);
+        }
+        if ((HAS_MASK || HAS_BIAS) && r >= p.seqlen_q) z = -1;  // keeps the reads in bounds
+        lo[h] = (int)max(-1LL, min(a, (long long)BLOCK_N + 1));
+        hi[h] = (int)max(-1LL, min(z, (long long)BLOCK_N + 1));
+    }
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const long long r = row0 + lane / 4 + 8 * (e / 2);
-            const long long c = col0 + 8 * j + 2 * (lane % 4) + e % 2;
-            bool allowed = r < p.seqlen_q && c < p.seqlen_k &&
-                           in_window(r, c, off, p.window_left, p.window_right);
-            if constexpr (HAS_MASK)
-                if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
-            A x = s[j][e];
-            x = softcap > A(0) ? softcap * A(LOG2E) * tanh_acc(x * cap_over_scale) : x * scale_log2;
-            if constexpr (!is_same_v<BiasT, NoBias>)
-                if (allowed) x += A(to_acc(bias[r * p.bias_s.row + c * p.bias_s.col])) * A(LOG2E);
-            s[j][e] = allowed ? x : neg_inf<A>();
+            const int x = 8 * j + e % 2, h = e / 2;
+            bool allowed = x >= lo[h] && x < hi[h];
+            if constexpr (HAS_MASK || HAS_BIAS) {
+                const long long r = row0 + lane / 4 + 8 * h, c = c0 + x;
+                if constexpr (HAS_MASK)
+                    if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
+                if constexpr (HAS_BIAS)
+                    if (allowed)
+                        s[j][e] += A(to_acc(bias[r * p.bias_s.row + c * p.bias_s.col])) * A(LOG2E);
+            }
+            if (!allowed) s[j][e] = neg_inf<A>();
         }
     return A(1);
 }

@@ -84,16 +84,19 @@ def test_sm90_3xtf32_instances_and_shared_memory():
 
 def test_sm90_instances_and_shared_memory():
     # one warpgroup (128 threads) per 64 query rows; head dims padded to 64; every tile in
-    # the 128-byte-swizzle layout: Q rows, two stages of K and V
+    # the 128-byte-swizzle layout: Q rows, `stages` stages of K and V (two by default)
     choice = forward(BF16, 100)
     assert choice.name_expression == (
-        "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, true, 1>")
+        "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, 2, true, 1>")
     assert choice.threads == 128 and choice.tiles.block_m == 64
     assert choice.shared_mem == 2 * (64 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
     two = d._sm90("sm90", F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
     assert two.name_expression == (
-        "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, false, 1>")
+        "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, 2, false, 1>")
     assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128)
+    three = d._sm90("sm90", F16, 64, 64, None, False, True, 232448, d.Sm90Tiles(64, 64, 3, 4))
+    assert three.name_expression.endswith("64, 64, 64, 1, 4, true, 3>")
+    assert three.shared_mem == 2 * (64 * 64 + 4 * 64 * 128)
     # the loader builds this file for sm_90a (wgmma), whatever the gate's target
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_sm90.cu")

@@ -10,7 +10,9 @@
     PYTHONPATH=. python tools/sweep_tiles.py --sm90-3xtf32  # sm90_3xtf32 ("highest")
 
 ``--shape B,H,S`` times that shape instead of the default B4 H16 S4096 (B1 for float64),
-e.g. ``--sm90 bfloat16 --shape 64,12,197`` for the vit suite's ViT-B/16.
+e.g. ``--sm90 bfloat16 --shape 64,12,197`` for the vit suite's ViT-B/16; ``--batch N``
+times N calls back to back per measurement (the kernels' own time, when one call is short
+enough that the host's time per call would show).
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
 cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
@@ -50,10 +52,13 @@ F32_CANDIDATES = {  # MmaTiles(block_m = 16 * m_tiles * warps, block_n, m_tiles)
     ("float32", 128): [MmaTiles(64, 32), MmaTiles(128, 32, 2), MmaTiles(128, 16, 2),
                        MmaTiles(64, 16)],
 }
-SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
-    ("bfloat16", 64): [Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64, 3), Sm90Tiles(64, 64),
-                       Sm90Tiles(64, 128), Sm90Tiles(128, 64), Sm90Tiles(128, 128)],
-    ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(128, 64)],
+SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks, stages)
+    ("bfloat16", 64): [Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64, 4, 3), Sm90Tiles(64, 64, 3),
+                       Sm90Tiles(64, 64, 3, 3), Sm90Tiles(64, 64, 3, 4), Sm90Tiles(64, 64),
+                       Sm90Tiles(64, 128), Sm90Tiles(64, 128, 2, 3), Sm90Tiles(128, 64),
+                       Sm90Tiles(128, 128), Sm90Tiles(128, 64, 1, 3)],
+    ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(64, 64, 1, 3), Sm90Tiles(128, 64),
+                        Sm90Tiles(128, 128), Sm90Tiles(128, 64, 1, 3)],
 }
 SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
     ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(64, 64), Sm90Tiles(128, 128),
@@ -61,7 +66,7 @@ SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_bl
     ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(192, 64), Sm90Tiles(192, 32),
                        Sm90Tiles(128, 32)],
 }
-SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, k_stages)
+SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages)
     ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64),
                       Sm90Tiles(128, 64, 1, 1), Sm90Tiles(64, 64, 1, 1), Sm90Tiles(64, 32)],
     ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(64, 32), Sm90Tiles(64, 32, 1, 1)],
@@ -84,10 +89,14 @@ def main():
                      (CANDIDATES, "portable"))
     extra = {"precision": "tf32"} if family in ("mma_f32", "sm90_tf32") else {}
     args = sys.argv[1:]
-    shape = None
+    shape, batch = None, 1
     if "--shape" in args:
         at = args.index("--shape")
         shape = tuple(int(x) for x in args[at + 1].split(","))
+        del args[at:at + 2]
+    if "--batch" in args:
+        at = args.index("--batch")
+        batch = int(args[at + 1])
         del args[at:at + 2]
     dtypes = [a for a in args if not a.startswith("--")]  # e.g. float32: only those
     for (dtype, d), cands in table.items():
@@ -101,9 +110,10 @@ def main():
                 label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(q=q, k=k, v=v, causal=causal, tiles=tiles):
-                        return _attention(q, k, v, causal=causal, tiles=tiles, kernel=family,
-                                          **extra)
-                    ms = _time(call, cp, max_reps=10, budget_s=0.5)
+                        for _ in range(batch):
+                            _attention(q, k, v, causal=causal, tiles=tiles, kernel=family,
+                                       **extra)
+                    ms = _time(call, cp, max_reps=10, budget_s=0.5) / batch
                     rate = f"{flops / ms / 1e9:8.1f}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     ms, rate = math.nan, f"{type(exc).__name__}"
