@@ -1,0 +1,128 @@
+"""Emulate split-TF32 ("3xTF32") attention in NumPy against DESIGN.md's accuracy rule.
+
+    PYTHONPATH=. python tools/emulate_3xtf32.py [seeds]
+
+No GPU: products of TF32 operands are exact (float64), and the float32 accumulator is
+rounded after every k-step of 8 (one wgmma .tf32 step), either to nearest or toward zero,
+since the tensor cores' float32 accumulation is not IEEE. The online softmax runs in
+float32 over 64-key tiles as the kernels do. Each scheme prints the largest
+error / bound over the GPU matrix's shapes (head dims to 128) and the seeds; a scheme
+passes below 1. docs/kernels.rst ("float32 'highest' on Hopper") has the results and the
+choice they led to (small terms first, each tile's P V in fresh accumulators).
+"""
+import sys
+
+import numpy as np
+
+from cuattn.reference import accuracy_bound, attention_reference, naive_attention
+
+SHAPES = [(1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
+          (1023, 1025, 128, 128), (1025, 1023, 64, 64), (40, 50, 64, 24)]
+MASK = np.uint32(0xFFFFE000)
+
+
+def tf32_nearest(x):
+    """x rounded to TF32, to nearest with ties away (cvt.rna)."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def tf32_truncated(x):
+    """x as a TF32 instruction reads float32 data: the low 13 bits ignored."""
+    return (np.asarray(x, np.float32).view(np.uint32) & MASK).view(np.float32)
+
+
+def toward_zero(x64):
+    """float64 values rounded to float32 toward zero."""
+    f = x64.astype(np.float32)
+    over = np.abs(f.astype(np.float64)) > np.abs(x64)
+    f[over] = np.nextafter(f[over], np.float32(0))
+    return f
+
+
+def split(x, hi_truncated=False):
+    """hi, lo of the split as the instruction reads them (lo truncated)."""
+    hi = tf32_truncated(x) if hi_truncated else tf32_nearest(x)
+    return hi, tf32_truncated((x - hi).astype(np.float32))
+
+
+def accumulate(terms, rounding, acc=None, interleave=False):
+    """acc + sum of A @ B over terms, the accumulator rounded after every k-step of 8; the
+    terms one after another, or (interleave) all terms of a k-step before the next."""
+    rnd = toward_zero if rounding == "toward zero" else (lambda x: x.astype(np.float32))
+    acc = np.zeros((terms[0][0].shape[0], terms[0][1].shape[1]), np.float32) if acc is None else acc
+    steps = [(a, b, k0) for a, b in terms for k0 in range(0, a.shape[1], 8)]
+    if interleave:
+        steps.sort(key=lambda t: t[2])
+    for a, b, k0 in steps:
+        exact = a[:, k0:k0 + 8].astype(np.float64) @ b[k0:k0 + 8].astype(np.float64)
+        acc = rnd(acc.astype(np.float64) + exact)
+    return acc
+
+
+def product(a, b, scheme, rounding, acc=None):
+    """a @ b (or acc + a @ b) by the scheme's split products."""
+    ah, al = split(a, scheme == "hi truncated")
+    bh, bl = split(b, scheme == "hi truncated")
+    small_first = [(ah, bl), (al, bh), (ah, bh)]
+    if scheme == "per k-step":
+        return accumulate(small_first, rounding, acc, interleave=True)
+    if scheme == "separate":
+        big = accumulate([(ah, bh)], rounding)
+        small = accumulate([(ah, bl)], rounding) + accumulate([(al, bh)], rounding)
+        out = (big + small).astype(np.float32)
+        return out if acc is None else (acc + out).astype(np.float32)
+    return accumulate(small_first, rounding, acc)
+
+
+def attention(q, k, v, scheme, rounding, pv_into_o):
+    """Online softmax over 64-key tiles in float32; P V accumulated into O itself
+    (pv_into_o) or into fresh accumulators added to O."""
+    scale_log2 = np.float32(np.log2(np.e) / np.sqrt(q.shape[1]))
+    m = np.full(q.shape[0], -np.inf, np.float32)
+    l = np.zeros(q.shape[0], np.float32)
+    o = np.zeros((q.shape[0], v.shape[1]), np.float32)
+    for n0 in range(0, k.shape[0], 64):
+        s = product(q, np.ascontiguousarray(k[n0:n0 + 64].T), scheme, rounding)
+        x = (s * scale_log2).astype(np.float32)
+        m_new = np.maximum(m, x.max(axis=1))
+        alpha = np.exp2((m - m_new).astype(np.float64)).astype(np.float32)
+        p = np.exp2((x - m_new[:, None]).astype(np.float64)).astype(np.float32)
+        l = (l * alpha + p.sum(axis=1, dtype=np.float32)).astype(np.float32)
+        o = (o * alpha[:, None]).astype(np.float32)
+        if pv_into_o:
+            o = product(p, v[n0:n0 + 64], scheme, rounding, acc=o)
+        else:
+            o = (o + product(p, v[n0:n0 + 64], scheme, rounding)).astype(np.float32)
+        m = m_new
+    return (o / l[:, None]).astype(np.float32)
+
+
+SCHEMES = [  # (label, scheme, P V into O)
+    ("per k-step (hi lo, lo hi, hi hi), P V into O", "per k-step", True),
+    ("small terms first, P V into O", "small first", True),
+    ("small terms first, fresh P V per tile", "small first", False),
+    ("hi truncated too, fresh P V per tile", "hi truncated", False),
+    ("separate accumulators, fresh P V per tile", "separate", False),
+]
+
+
+def main():
+    seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    for rounding in ("nearest", "toward zero"):
+        for label, scheme, pv_into_o in SCHEMES:
+            worst = 0.0
+            for seed in range(seeds):
+                for sq, sk, d, dv in SHAPES:
+                    rng = np.random.default_rng(100 * seed + sq)
+                    q, k = (rng.standard_normal((n, d)).astype(np.float32) for n in (sq, sk))
+                    v = rng.standard_normal((sk, dv)).astype(np.float32)
+                    ref = attention_reference(q, k, v)[0]
+                    bound = accuracy_bound(naive_attention(q, k, v), ref)
+                    err = np.abs(attention(q, k, v, scheme, rounding, pv_into_o) - ref).max()
+                    worst = max(worst, float(err) / bound)
+            print(f"{rounding:12s} {label:48s} error / bound {worst:5.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
