@@ -344,16 +344,13 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
                else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
     tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
                              f"head dims {head_dim}, {head_dim_v}")
-    if family == "sm90":
-        filename, kernel, type_arg, float_args = (
-            "attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ",
-            f"{tiles.stages}, ")
-    else:
-        filename, kernel, type_arg, float_args = (
-            "attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", "",
-            f"{str(split).lower()}, {tiles.stages}, ")
+    # the 16-bit kernel takes T; the float one SPLIT ahead of its stages
+    filename, kernel, type_arg, split_arg = (
+        ("attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ", "")
+        if family == "sm90" else
+        ("attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", "", f"{str(split).lower()}, "))
     expr = (f"{kernel}<{type_arg}{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, "
-            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {float_args}"
+            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {split_arg}{tiles.stages}, "
             f"{str(aligned).lower()}, {tiles.min_blocks}>")
     return KernelChoice(family, filename, expr, Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1),
                         hd, hdv, smem, threads=tiles.num_warps * 32)

@@ -211,19 +211,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // heaviest query blocks first (block_coords, common.cuh); one Dv tile
-    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
-                                         p.window_left >= 0 || p.window_right >= 0, true);
-    const long long m_block = blk.row_block, b = blk.b;
-    const long long m0 = m_block * BLOCK_M;
-
-    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
-    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
-    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    // this block's rows and batch entry, heaviest query blocks first (common.cuh)
+    const ForwardBlock<T, BiasT> blk = forward_block<T, BiasT>(p, BLOCK_M);
+    const long long b = blk.b, m0 = blk.m0;
+    const T *q = blk.q, *k = blk.k, *v = blk.v;
+    const unsigned char* mask = blk.mask;
+    const BiasT* bias = blk.bias;
 
     // key tiles that the causal/window band reaches from rows m0 .. m_last
     const long long off = p.seqlen_k - p.seqlen_q;

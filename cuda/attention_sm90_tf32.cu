@@ -135,18 +135,12 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     float* vt_s = v_s + V_ELEMS;                      // [PARTS][HEAD_DIM_V x BLOCK_N], transposed
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
-                                         p.window_left >= 0 || p.window_right >= 0, true);
-    const long long m_block = blk.row_block, b = blk.b;
-    const long long m0 = m_block * BLOCK_M;
-
-    const float* q = reinterpret_cast<const float*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
-    const float* k = reinterpret_cast<const float*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
-    const float* v = reinterpret_cast<const float*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    // this block's rows and batch entry, heaviest query blocks first (common.cuh)
+    const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);
+    const long long b = blk.b, m0 = blk.m0;
+    const float *q = blk.q, *k = blk.k, *v = blk.v;
+    const unsigned char* mask = blk.mask;
+    const BiasT* bias = blk.bias;
 
     // sequence positions fit in 32 bits (checked in Python)
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;

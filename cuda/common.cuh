@@ -194,6 +194,34 @@ __device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
             rest / num_col_tiles};
 }
 
+// A tensor-core forward block's work and its batch entry's arrays: the row block (heaviest
+// query blocks first, block_coords; one Dv tile), its first row m0, and q (at row m0), k,
+// v, mask and bias (null when absent) of batch entry b.
+template <typename T, typename BiasT>
+struct ForwardBlock {
+    long long b, m0;
+    const T *q, *k, *v;
+    const unsigned char* mask;
+    const BiasT* bias;
+};
+template <typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
+                                                               int block_m) {
+    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
+                                         p.window_left >= 0 || p.window_right >= 0, true);
+    const long long b = blk.b, m0 = blk.row_block * block_m;
+    return {b,
+            m0,
+            reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) +
+                m0 * p.q_s.row,
+            reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2),
+            reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2),
+            p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                         batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr,
+            p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                         batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr};
+}
+
 // The reach of the causal/window band in whole tiles. key_band: the keys [lo, hi) that query
 // rows first .. last reach (lo rounded down to a multiple of tile, so key tiles start on tile
 // boundaries); query_band: its transpose, the query rows [lo, hi) that reach keys

@@ -17,10 +17,10 @@ namespace mma {
 // Do the keys n0 .. n0 + BLOCK_N - 1 lie inside the key sequence and inside the
 // causal/window band of every row m0 .. m_last (m_last = min(m0 + BLOCK_M, seqlen_q) - 1),
 // so that mask_scores may skip the masking? Rows past seqlen_q do not count (mask_scores:
-// they are never stored). Positions in 32 bits (checked in
-// Python), off = seqlen_k - seqlen_q: the 16-bit and sm90_tf32 forwards. The same predicate
-// in 64-bit positions: attention_mma_wide.cu (spelled out; this helper there changed its
-// SASS) and backward.cuh's tile_is_interior.
+// they are never stored). Positions in 32 bits (checked in Python), off = seqlen_k -
+// seqlen_q: the 16-bit and sm90_tf32 forwards. attention_mma_wide.cu spells out a 64-bit
+// copy that still asks for full rows (stricter, so also correct), and backward.cuh's
+// tile_is_interior is the backward's.
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long long m0,
                                                       int m_last, int n0, int seqlen_q,
