@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _cpu, _dispatch
 from ._checks import AttentionCall, check_attention, check_backward, lse_dtype
-from ._kernels import attn_params, attn_params_tail, get_kernel, pack_attn_bwd_params
+from ._kernels import ForwardLaunch, attn_params_tail, get_kernel, pack_attn_bwd_params
 from .reference import sum_to_shape
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
@@ -303,9 +303,10 @@ def _sizes(call: AttentionCall, extents, num_m: int, num_dv: int) -> list[int]:
             call.head_dim_v, call.window_left, call.window_right, num_m, num_dv]
 
 
-#: Forward launch plans by call signature (:func:`_plan_key`): kernel, grid, shared memory
-#: and the parameter block without its pointers. A repeated signature skips dispatch, layout
-#: and packing, which is most of the Python time of a call (PERF.md: host overhead).
+#: Forward launch plans by call signature (:func:`_plan_key`): a ForwardLaunch (kernel,
+#: grid, shared memory and the parameter block without its pointers). A repeated signature
+#: skips dispatch, layout and packing, which is most of the Python time of a call (PERF.md:
+#: host overhead).
 _forward_plans: dict = {}
 _MAX_PLANS = 512
 
@@ -314,13 +315,13 @@ def _signature(x):
     return None if x is None else (x.shape, x.strides, x.dtype)
 
 
-def _plan_key(call: AttentionCall, kernel, tiles):
+def _plan_key(call: AttentionCall, device_id: int, kernel, tiles):
     """Everything a forward launch plan depends on, pointers aside: shapes, strides and
     dtypes of every array, the scalar arguments, whether q, k and v start on 16-byte
     boundaries (the aligned copy path), the device, the forced family and tiles, and the
     environment variables that choose a family or the kernel sources."""
     q, k, v = call.q, call.k, call.v
-    return (q.device.id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
+    return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
             _signature(call.bias), _signature(call.out), call.scale, call.softcap,
             call.window_left, call.window_right, call.precision, call.return_lse,
             (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0, kernel, tiles,
@@ -328,43 +329,49 @@ def _plan_key(call: AttentionCall, kernel, tiles):
 
 
 def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
-    """(kernel, grid, threads, shared memory, parameter tail, launches): the dispatch
-    choice and layout of a call; ``launches`` is None when its batch axes collapse into
-    the kernel's three (one launch, pointers straight from the arrays), else the list of
-    pointer sets of the launches."""
-    cc, smem_limit = _device_limits(call.q.device.id)
+    """(launch, pointer sets): the dispatch choice and layout of a call as a
+    :class:`~cuattn._kernels.ForwardLaunch`; the pointer sets are None when the batch axes
+    collapse into the kernel's three (one launch, pointers straight from the arrays), else
+    the list of the launches' pointers."""
+    cc, smem_limit = _device_limits(call.q.data.device_id)
     choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
     extents, strides, pointer_sets = _layout(call.batch_shape, _forward_tensors(call, out, lse))
     num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-    grid = (num_m * num_dv * math.prod(extents),)
+    grid = num_m * num_dv * math.prod(extents)
     tail = attn_params_tail(_sizes(call, extents, num_m, num_dv), call.scale, call.softcap,
                             strides)
-    launches = None if isinstance(pointer_sets, list) else list(pointer_sets)
-    return fn, grid, (choice.threads,), choice.shared_mem, tail, launches
+    launch = ForwardLaunch(fn, grid, choice.threads, choice.shared_mem, tail)
+    return launch, (None if isinstance(pointer_sets, list) else list(pointer_sets))
 
 
 def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     cupy = call.xp
-    with call.q.device:
-        out = call.out if call.out is not None else cupy.empty(call.out_shape, call.dtype)
-        lse = cupy.empty(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
-        if call.seqlen_q == 0 or 0 in call.batch_shape:
-            return out, lse
-        key = _plan_key(call, kernel, tiles)
-        plan = _forward_plans.get(key)
-        if plan is None:
-            plan = _forward_plan(call, kernel, tiles, out, lse)
-            if plan[5] is None:  # plans with a launch loop hold pointers: not kept
-                if len(_forward_plans) >= _MAX_PLANS:
-                    _forward_plans.clear()
-                _forward_plans[key] = plan
-        fn, grid, block, shared_mem, tail, launches = plan
-        if launches is None:  # one launch: the pointers are the arrays' own
-            launches = [[0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)]]
-        for pointers in launches:
-            fn(grid, block, (attn_params(pointers, tail),), shared_mem=shared_mem)
+    device_id = call.q.data.device_id
+    if cupy.cuda.runtime.getDevice() != device_id:
+        with cupy.cuda.Device(device_id):
+            return _forward_gpu(call, kernel, tiles)
+    # cupy.ndarray rather than cupy.empty: the same allocation, one Python call less
+    out = call.out if call.out is not None else cupy.ndarray(call.out_shape, call.dtype)
+    lse = cupy.ndarray(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
+    if call.seqlen_q == 0 or 0 in call.batch_shape:
+        return out, lse
+    key = _plan_key(call, device_id, kernel, tiles)
+    plan = _forward_plans.get(key)
+    if plan is None:
+        plan = _forward_plan(call, kernel, tiles, out, lse)
+        if plan[1] is None:  # plans with a launch loop hold pointers: not kept
+            if len(_forward_plans) >= _MAX_PLANS:
+                _forward_plans.clear()
+            _forward_plans[key] = plan
+    launch, pointer_sets = plan
+    stream = cupy.cuda.get_current_stream().ptr
+    if pointer_sets is None:  # one launch: the pointers are the arrays' own
+        launch([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)], stream)
+    else:
+        for pointers in pointer_sets:
+            launch(pointers, stream)
     return out, lse
 
 

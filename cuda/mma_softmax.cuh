@@ -66,9 +66,13 @@ __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParam
     // immediates in the unrolled loop).
     const long long c0 = col0 + 2 * (lane % 4), off = p.seqlen_k - p.seqlen_q;
     int lo[2], hi[2];
+    const unsigned char* mask_row[2];  // the mask and bias at (row h, column c0)
+    const BiasT* bias_row[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long r = row0 + lane / 4 + 8 * h;
+        if constexpr (HAS_MASK) mask_row[h] = mask + r * p.mask_s.row + c0 * p.mask_s.col;
+        if constexpr (HAS_BIAS) bias_row[h] = bias + r * p.bias_s.row + c0 * p.bias_s.col;
         long long a = -1, z = BLOCK_N + 1;
         if (!interior) {
             z = p.seqlen_k - c0;
@@ -85,14 +89,10 @@ __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParam
         for (int e = 0; e < 4; ++e) {
             const int x = 8 * j + e % 2, h = e / 2;
             bool allowed = x >= lo[h] && x < hi[h];
-            if constexpr (HAS_MASK || HAS_BIAS) {
-                const long long r = row0 + lane / 4 + 8 * h, c = c0 + x;
-                if constexpr (HAS_MASK)
-                    if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
-                if constexpr (HAS_BIAS)
-                    if (allowed)
-                        s[j][e] += A(to_acc(bias[r * p.bias_s.row + c * p.bias_s.col])) * A(LOG2E);
-            }
+            if constexpr (HAS_MASK)
+                if (allowed) allowed = mask_row[h][x * p.mask_s.col] != 0;
+            if constexpr (HAS_BIAS)
+                if (allowed) s[j][e] += A(to_acc(bias_row[h][x * p.bias_s.col])) * A(LOG2E);
             if (!allowed) s[j][e] = neg_inf<A>();
         }
     return A(1);

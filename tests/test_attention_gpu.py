@@ -213,6 +213,35 @@ def test_runs_on_the_current_stream(family):
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_repeated_signature_from_threads(family):
+    """Calls of one signature reuse one launch plan (its parameter block with the pointers
+    rewritten per call): calls from eight threads on distinct inputs, each thread on its own
+    stream, all get their own inputs' result."""
+    from concurrent.futures import ThreadPoolExecutor
+    cp = _cp()
+    rng = np.random.default_rng(5)
+    dtype = _dtype_for(family)
+    kw = {"causal": True, **FAMILY_KW.get(family, {})}
+    inputs = [[_rand(rng, (2, 130, 64), dtype) for _ in range(3)] for _ in range(8)]
+
+    def run(qkv):
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            dev = [cp.asarray(x) for x in qkv]
+            results = [_attention(*dev, kernel=family, **kw) for _ in range(20)]
+            host = [cp.asnumpy(r, stream=stream) for r in results[-2:]]
+        stream.synchronize()
+        return host
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(run, inputs))
+    for (q, k, v), host in zip(inputs, outs):
+        ref, _ = attention_reference(q, k, v, **kw)
+        for got in host:
+            assert_accurate(got, ref, naive_attention(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_dlpack_inputs_from_torch(family):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -39,8 +39,27 @@ def main():
         "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
         "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
     }
-    for name, fn in rows.items():
+    from cuattn._checks import check_attention
+    parts = {
+        "  of which check_attention": lambda: check_attention(q, q, q),
+        "  of which one output allocation": lambda: cp.ndarray((1, 2, 16, 64), cp.float16),
+    }
+    try:  # the peer's host time on the same call, for scale
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        tq = torch.from_dlpack(q)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa(tq, tq, tq)
+            torch.cuda.synchronize()
+            flash_us = per_call_us(lambda: sdpa(tq, tq, tq))
+        peers = {"torch flash (1, 2, 16, 64), no context": flash_us}
+    except Exception as exc:  # noqa: BLE001 - no torch: no peer row
+        peers = {f"torch flash: {type(exc).__name__}": float("nan")}
+    for name, fn in {**rows, **parts}.items():
         print(f"{name:40s} {per_call_us(fn):7.1f} us per call (host, launch included)")
+    for name, us in peers.items():
+        print(f"{name:40s} {us:7.1f} us per call (host, launch included)")
     if "--profile" in sys.argv:
         prof = cProfile.Profile()
         prof.enable()
