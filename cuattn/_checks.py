@@ -67,7 +67,7 @@ def lse_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-@dataclass
+@dataclass(slots=True)
 class AttentionCall:
     """One validated attention call. ``window_left``/``window_right`` are -1 when unbounded
     and already include ``causal``; ``softcap`` is 0.0 when absent."""
@@ -122,7 +122,7 @@ def may_overlap(x, y) -> bool:
 
 
 def _device_id(x, xp):
-    return None if xp is np else x.device.id
+    return None if xp is np else x.data.device_id
 
 
 def _positive_finite(value, name):
@@ -237,10 +237,10 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         raise ValueError(f"the leading (batch) dims do not broadcast together: {shapes}") from None
 
     if xp is not np:
-        device = q.device.id
-        if any(x.device.id != device for _, x, _ in arrays):
+        device = q.data.device_id
+        if any(x.data.device_id != device for _, x, _ in arrays):
             raise ValueError("all arrays must be on one device, got " + ", ".join(
-                f"{n} on device {x.device.id}" for n, x, _ in arrays))
+                f"{n} on device {x.data.device_id}" for n, x, _ in arrays))
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_finite(scale, "scale")
     softcap = 0.0 if softcap is None else _positive_finite(softcap, "softcap")

@@ -17,7 +17,8 @@
 //             steps with Q and K in shared memory; score transform and online softmax in
 //             registers; P converted to T in registers and used as the A operand of
 //             O += P V (HEAD_DIM_V = N of the instruction, V through a transposed
-//             descriptor).
+//             descriptor). At head dims up to 64, a last tile of at most TAIL_N = 16 keys
+//             runs as a 16-key tile.
 // Shared mem: (BLOCK_M*HEAD_DIM + STAGES*BLOCK_N*(HEAD_DIM + HEAD_DIM_V)) * sizeof(T),
 //             every tile in the canonical 128-byte-swizzle layout of wgmma: 64-column
 //             groups stored one after another, each group's rows 128 bytes apart with
@@ -31,6 +32,13 @@
 using namespace cuattn;
 using namespace cuattn::mma;
 using namespace cuattn::sm90;
+
+namespace {
+template <int N> struct Keys {  // a key-tile width as a type, for the generic tile lambda
+    static constexpr int value = N;
+};
+constexpr int TAIL_N = 16;  // the width of a short last key tile
+}  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
           int NUM_WG, int STAGES, bool ALIGNED, int MIN_BLOCKS>
@@ -96,8 +104,15 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
                    v_base = smem_addr(v_s);
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
-    int stage = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % STAGES) {
+    // One key tile of N keys (the first N rows of the stage's BLOCK_N-row K and V tiles),
+    // once its copies have landed: S = Q K^T, both operands K-contiguous in shared memory;
+    // score transform and online softmax; O += P V with P from registers (the A fragments
+    // of the warp's rows) and V read N-contiguous through a transposed descriptor. N =
+    // BLOCK_N, or TAIL_N for a last tile of at most TAIL_N keys (a sequence of 64j + 1 ..
+    // 64j + 16 keys, such as ViT's 197, would otherwise spend a whole tile's products and
+    // softmax on a few keys).
+    auto tile = [&](int n0, int stage, auto n_keys) {
+        constexpr int N = decltype(n_keys)::value;
         const int ahead = n0 + (STAGES - 1) * BLOCK_N;  // into the stage consumed last
         if (ahead < n_hi) request_kv(ahead, (stage + STAGES - 1) % STAGES);
         cp_async_commit();
@@ -105,25 +120,35 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         fence_proxy_async();  // ... are visible to the tensor cores ...
         __syncthreads();      // ... for every thread: Q (first time), this tile's K and V
 
-        // S = Q K^T, both operands K-contiguous in shared memory
-        float s[BLOCK_N / 8][4];
+        float s[N / 8][4];
         wgmma_fence();
-        product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_base + stage * K_ELEMS * 2);
+        product_ss<N, HEAD_DIM, T, BLOCK_N>(s, q_base, k_base + stage * K_ELEMS * 2);
         wgmma_commit();
         wgmma_wait<0>();
 
-        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
-        const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
-        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+        const float scale = mask_scores<N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
+        update_row_state<N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 
-        // O += P V: P from registers (the A fragments of the warp's rows), V read
-        // N-contiguous through a transposed descriptor
-        product_rs<HEAD_DIM_V, BLOCK_N, T>(o, s, v_base + stage * V_ELEMS * 2);
+        product_rs<HEAD_DIM_V, N, T, BLOCK_N>(o, s, v_base + stage * V_ELEMS * 2);
         wgmma_commit();
         wgmma_wait<0>();
         __syncthreads();  // this stage is consumed before the next iteration refills it
-    }
+    };
+
+    // the last tile starts at n_last; it runs as a TAIL_N-key tile when that covers it.
+    // Head dims up to 64 only: at 128 the second copy of the tile cost the causal D128
+    // S4096 rows 7 % (register allocation of the masked path; docs/kernels.rst)
+    constexpr bool TAIL = HEAD_DIM <= 64 && HEAD_DIM_V <= 64;
+    const int n_last = n_lo + (n_hi - n_lo - 1) / BLOCK_N * BLOCK_N;
+    const bool short_last = TAIL && n_lo < n_hi && n_hi - n_last <= TAIL_N;
+    const int n_full = short_last ? n_last : n_hi;
+    int stage = 0;
+    for (int n0 = n_lo; n0 < n_full; n0 += BLOCK_N, stage = (stage + 1) % STAGES)
+        tile(n0, stage, Keys<BLOCK_N>());
+    if constexpr (TAIL)
+        if (short_last) tile(n_last, stage, Keys<TAIL_N>());
     cp_async_wait<0>();  // no copy may outlive the block
 
     store_rows<T, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store (mma_softmax.cuh)

@@ -66,10 +66,11 @@ __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_ti
 }
 
 // acc (64 x N) += X Z with X (64 x ROWS) the T-rounded values of x (m16n8 layout, from
-// registers: the A fragments of each warp's 16 rows) and Z the ROWS-row tile z_tile read
-// N-contiguous (transposed descriptor): 16 rows (2048 bytes) per step, 64-column groups
-// ROWS * 128 bytes apart. Fences and issues; the caller commits and waits.
-template <int N, int ROWS, typename T>
+// registers: the A fragments of each warp's 16 rows) and Z the first ROWS rows of the
+// Z_ROWS-row tile z_tile read N-contiguous (transposed descriptor): 16 rows (2048 bytes)
+// per step, 64-column groups Z_ROWS * 128 bytes apart. Fences and issues; the caller
+// commits and waits.
+template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
 __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
                                            unsigned z_tile) {
     unsigned a[ROWS / 16][4];
@@ -83,7 +84,7 @@ __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < ROWS / 16; ++kk)
-        Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, ROWS * 128), 1);
+        Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, Z_ROWS * 128), 1);
 }
 
 // Where key n sits along the contraction of P V in product_rs_tf32 when P's fragments come

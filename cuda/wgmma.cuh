@@ -28,6 +28,51 @@ __device__ __forceinline__ void wgmma_wait() {
 
 template <int N, typename T> struct Wgmma;
 
+template <> struct Wgmma<16, __half> {
+    __device__ __forceinline__ static void ss(float (&d)[2][4], unsigned long long a_desc,
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[2][4], const unsigned (&a)[4],
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    }
+};
+
+template <> struct Wgmma<16, __nv_bfloat16> {
+    __device__ __forceinline__ static void ss(float (&d)[2][4], unsigned long long a_desc,
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[2][4], const unsigned (&a)[4],
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    }
+};
+
+template <> struct Wgmma<16, float> {
+    __device__ __forceinline__ static void ss(float (&d)[2][4], unsigned long long a_desc,
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    }
+    __device__ __forceinline__ static void rs(float (&d)[2][4], const unsigned (&a)[4],
+                                              unsigned long long b_desc, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    }
+};
+
 template <> struct Wgmma<32, __half> {
     __device__ __forceinline__ static void ss(float (&d)[4][4], unsigned long long a_desc,
                                               unsigned long long b_desc, int scale_d) {

@@ -6,7 +6,8 @@ Each wrapper is one inline-asm statement whose operand list names every accumula
 register, so it is generated rather than typed.
 """
 
-SHAPES = (32, 64, 128)  # N: the key tile (S = Q K^T) and the head dim (O += P V)
+SHAPES = (16, 32, 64, 128)  # N: the key tile (S = Q K^T; 16: a short last tile) and the
+#                              head dim (O += P V)
 # (C type, PTX type, K of one instruction, trailing immediates of ss, of rs): 16-bit types
 # take transpose flags (rs reads B N-contiguous); TF32 takes none (both operands K-major)
 TYPES = (("__half", "f16", 16, "1, 1, 0, 0", "1, 1, 1"),
