@@ -85,6 +85,10 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     >>> out.shape, lse.shape, out.dtype
     ((2, 4, 16, 8), (2, 4, 16), dtype('float32'))
     """
+    if mask is None and bias is None and out is None and window is None:
+        result = _repeated_call(q, k, v, scale, causal, softcap, return_lse, precision)
+        if result is not None:
+            return result
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, return_lse=return_lse,
                            precision=precision, out=out)
@@ -344,6 +348,61 @@ def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
                             strides)
     launch = ForwardLaunch(fn, grid, choice.threads, choice.shared_mem, tail)
     return launch, (None if isinstance(pointer_sets, list) else list(pointer_sets))
+
+
+#: Repeated calls: the signature of a plain CuPy call (no mask, bias, window or out) whose
+#: arguments were validated and whose launch plan exists -> (out shape, lse shape, dtypes,
+#: ForwardLaunch). The signature holds everything validation and dispatch read: the
+#: arrays' type, shapes, strides, dtypes and devices, whether q, k, v start on 16-byte
+#: boundaries, the scalar arguments as given and the environment variables that choose a
+#: family or the sources; so a call that matches one needs neither (PERF.md: host overhead).
+_repeated: dict = {}
+_CUPY_TYPES: list = []  # [cupy.ndarray, cupy.cuda.runtime.getDevice, get_current_stream]
+
+
+def _repeated_call(q, k, v, scale, causal, softcap, return_lse, precision):
+    """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
+    unseen signature is validated and planned the long way, then remembered)."""
+    if not _CUPY_TYPES:
+        try:
+            import cupy
+            _CUPY_TYPES.extend((cupy.ndarray, cupy.cuda.runtime.getDevice,
+                                cupy.cuda.get_current_stream))
+        except ImportError:
+            _CUPY_TYPES.append(None)
+    ndarray = _CUPY_TYPES[0]
+    if ndarray is None or type(q) is not ndarray or type(k) is not ndarray or \
+            type(v) is not ndarray:
+        return None
+    qd, kd, vd = q.data, k.data, v.data
+    device = qd.device_id
+    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
+           v.dtype, device, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) % 16 == 0,
+           scale, causal, softcap, return_lse, precision, os.environ.get("CUATTN_KERNEL"),
+           os.environ.get("CUATTN_KERNEL_DIR"))
+    try:
+        entry = _repeated.get(key)
+    except TypeError:  # an unhashable argument: the long way
+        return None
+    if entry is None or _CUPY_TYPES[1]() != device:
+        if entry is None:
+            call = check_attention(q, k, v, scale=scale, causal=causal, softcap=softcap,
+                                   return_lse=return_lse, precision=precision)
+            out, lse = _forward(call)
+            plan = _forward_plans.get(_plan_key(call, device, None, None))
+            if plan is not None and plan[1] is None:  # one launch, plan kept
+                if len(_repeated) >= _MAX_PLANS:
+                    _repeated.clear()
+                _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
+                                  lse_dtype(call.dtype), plan[0])
+            return (out, lse) if call.return_lse else out
+        return None  # another device is current: the long way enters q's
+    out_shape, dtype, lse_shape, lse_dt, launch = entry
+    out = ndarray(out_shape, dtype)
+    lse = ndarray(lse_shape, lse_dt) if return_lse else None
+    launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr, 0, 0],
+           _CUPY_TYPES[2]().ptr)
+    return (out, lse) if return_lse else out
 
 
 def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):

@@ -241,6 +241,52 @@ def test_repeated_signature_from_threads(family):
             assert_accurate(got, ref, naive_attention(q, k, v, **kw))
 
 
+def test_repeated_calls_take_the_short_path():
+    """A plain CuPy call whose signature was validated and planned before skips both: its
+    results match the long way bit for bit, other data of the signature get their own
+    results, and a changed stride, dtype, lse request or bad scalar is not mistaken for it."""
+    import sys
+
+    import cuattn
+    module = sys.modules["cuattn.attention"]
+    cp = _cp()
+    rng = np.random.default_rng(6)
+    q, k, v = (_rand(rng, (2, 3, 70, 64), np.float16) for _ in range(3))
+    dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
+    module._repeated.clear()
+    first = cuattn.attention(dq, dk, dv, causal=True)
+    assert len(module._repeated) == 1
+    again = cuattn.attention(dq, dk, dv, causal=True)
+    np.testing.assert_array_equal(to_host(again), to_host(first))
+    long_way = _attention(dq, dk, dv, causal=True)
+    np.testing.assert_array_equal(to_host(again), to_host(long_way))
+    # other data of the same signature
+    q2 = _rand(rng, (2, 3, 70, 64), np.float16)
+    got = cuattn.attention(cp.asarray(q2), dk, dv, causal=True)
+    ref, _ = attention_reference(q2, k, v, causal=True)
+    assert_accurate(to_host(got), ref, naive_attention(q2, k, v, causal=True))
+    # lse asked for: a signature of its own
+    out, lse = cuattn.attention(dq, dk, dv, causal=True, return_lse=True)
+    out2, lse2 = cuattn.attention(dq, dk, dv, causal=True, return_lse=True)
+    np.testing.assert_array_equal(to_host(lse2), to_host(lse))
+    _, ref_lse = attention_reference(q, k, v, causal=True)
+    np.testing.assert_allclose(to_host(lse2), ref_lse, rtol=2e-3, atol=2e-3)
+    # the same shape with other strides (a transposed copy viewed back)
+    qt = cp.ascontiguousarray(dq.swapaxes(1, 2)).swapaxes(1, 2)
+    assert qt.strides != dq.strides
+    got = cuattn.attention(qt, dk, dv, causal=True)
+    np.testing.assert_array_equal(to_host(got), to_host(first))
+    # bad scalars are still refused, before anything runs
+    cuattn.attention(dq, dk, dv, scale=0.5)
+    with pytest.raises(ValueError, match="scale"):
+        cuattn.attention(dq, dk, dv, scale=-0.5)
+    with pytest.raises(ValueError, match="precision"):
+        cuattn.attention(dq, dk, dv, precision="tf32")
+    # an unhashable argument takes the long way
+    got = cuattn.attention(dq, dk, dv, causal=True, softcap=cp.asarray(30.0))
+    assert got.shape == first.shape
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_dlpack_inputs_from_torch(family):
     torch = pytest.importorskip("torch")
