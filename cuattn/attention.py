@@ -85,8 +85,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     >>> out.shape, lse.shape, out.dtype
     ((2, 4, 16, 8), (2, 4, 16), dtype('float32'))
     """
-    if mask is None and bias is None and out is None and window is None:
-        result = _repeated_call(q, k, v, scale, causal, softcap, return_lse, precision)
+    if out is None:
+        result = _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap,
+                                return_lse, precision)
         if result is not None:
             return result
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
@@ -350,17 +351,19 @@ def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
     return launch, (None if isinstance(pointer_sets, list) else list(pointer_sets))
 
 
-#: Repeated calls: the signature of a plain CuPy call (no mask, bias, window or out) whose
-#: arguments were validated and whose launch plan exists -> (out shape, lse shape, dtypes,
-#: ForwardLaunch). The signature holds everything validation and dispatch read: the
-#: arrays' type, shapes, strides, dtypes and devices, whether q, k, v start on 16-byte
-#: boundaries, the scalar arguments as given and the environment variables that choose a
-#: family or the sources; so a call that matches one needs neither (PERF.md: host overhead).
+#: Repeated calls: the signature of a CuPy call without ``out`` whose arguments were
+#: validated and whose launch plan exists -> (out shape, lse shape, dtypes, ForwardLaunch).
+#: The signature holds everything validation and dispatch read: the arrays' type, shapes,
+#: strides, dtypes and devices (q, k, v, and mask and bias when given), whether q, k, v
+#: start on 16-byte boundaries, the scalar arguments as given (window sides with their
+#: types, since (1.0, 2) is refused where (1, 2) is not) and the environment variables that
+#: choose a family or the sources; so a call that matches one needs neither (PERF.md: host
+#: overhead).
 _repeated: dict = {}
 _CUPY_TYPES: list = []  # [cupy.ndarray, cupy.cuda.runtime.getDevice, get_current_stream]
 
 
-def _repeated_call(q, k, v, scale, causal, softcap, return_lse, precision):
+def _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision):
     """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
     unseen signature is validated and planned the long way, then remembered)."""
     if not _CUPY_TYPES:
@@ -376,32 +379,49 @@ def _repeated_call(q, k, v, scale, causal, softcap, return_lse, precision):
         return None
     qd, kd, vd = q.data, k.data, v.data
     device = qd.device_id
+    extra, pointers = [], [0, 0]
+    for slot, x in enumerate((mask, bias)):
+        if x is None:
+            extra.append(None)
+            continue
+        if type(x) is not ndarray:
+            return None
+        xd = x.data
+        extra.append((x.shape, x.strides, x.dtype, xd.device_id))
+        pointers[slot] = xd.ptr
+    if window is not None:
+        if type(window) is not tuple:
+            return None
+        window_key = tuple((type(side), side) for side in window)
+    else:
+        window_key = None
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
            v.dtype, device, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) % 16 == 0,
-           scale, causal, softcap, return_lse, precision, os.environ.get("CUATTN_KERNEL"),
-           os.environ.get("CUATTN_KERNEL_DIR"))
+           *extra, window_key, scale, causal, softcap, return_lse, precision,
+           os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
     try:
         entry = _repeated.get(key)
     except TypeError:  # an unhashable argument: the long way
         return None
-    if entry is None or _CUPY_TYPES[1]() != device:
-        if entry is None:
-            call = check_attention(q, k, v, scale=scale, causal=causal, softcap=softcap,
-                                   return_lse=return_lse, precision=precision)
-            out, lse = _forward(call)
-            plan = _forward_plans.get(_plan_key(call, device, None, None))
-            if plan is not None and plan[1] is None:  # one launch, plan kept
-                if len(_repeated) >= _MAX_PLANS:
-                    _repeated.clear()
-                _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
-                                  lse_dtype(call.dtype), plan[0])
-            return (out, lse) if call.return_lse else out
+    if entry is None:
+        call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                               bias=bias, softcap=softcap, return_lse=return_lse,
+                               precision=precision)
+        out, lse = _forward(call)
+        plan = _forward_plans.get(_plan_key(call, device, None, None))
+        if plan is not None and plan[1] is None:  # one launch, plan kept
+            if len(_repeated) >= _MAX_PLANS:
+                _repeated.clear()
+            _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
+                              lse_dtype(call.dtype), plan[0])
+        return (out, lse) if call.return_lse else out
+    if _CUPY_TYPES[1]() != device:
         return None  # another device is current: the long way enters q's
     out_shape, dtype, lse_shape, lse_dt, launch = entry
     out = ndarray(out_shape, dtype)
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
-    launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr, 0, 0],
-           _CUPY_TYPES[2]().ptr)
+    launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+            *pointers], _CUPY_TYPES[2]().ptr)
     return (out, lse) if return_lse else out
 
 

@@ -285,6 +285,17 @@ def test_repeated_calls_take_the_short_path():
     # an unhashable argument takes the long way
     got = cuattn.attention(dq, dk, dv, causal=True, softcap=cp.asarray(30.0))
     assert got.shape == first.shape
+    # masks, biases and windows: their own signatures, their own data per call
+    for _ in range(3):
+        mask = rng.random((2, 1, 1, 70)) > 0.3
+        bias = rng.standard_normal((3, 70, 70)).astype(np.float32)
+        kw = {"window": (20, 3), "softcap": 4.0}
+        got = cuattn.attention(dq, dk, dv, mask=cp.asarray(mask), bias=cp.asarray(bias), **kw)
+        ref, _ = attention_reference(q, k, v, mask=mask, bias=bias, **kw)
+        assert_accurate(to_host(got), ref, naive_attention(q, k, v, mask=mask, bias=bias, **kw))
+    with pytest.raises(ValueError, match="window"):
+        cuattn.attention(dq, dk, dv, mask=cp.asarray(mask), bias=cp.asarray(bias),
+                         window=(20.0, 3), softcap=4.0)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
