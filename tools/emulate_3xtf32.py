@@ -1,6 +1,7 @@
 """Emulate split-TF32 ("3xTF32") attention in NumPy against DESIGN.md's accuracy rule.
 
     PYTHONPATH=. python tools/emulate_3xtf32.py [seeds]
+    PYTHONPATH=. python tools/emulate_3xtf32.py --backward [seeds]
 
 No GPU: products of TF32 operands are exact (float64), and the float32 accumulator is
 rounded after every k-step of 8 (one wgmma .tf32 step), either to nearest or toward zero,
@@ -9,12 +10,24 @@ float32 over 64-key tiles as the kernels do. Each scheme prints the largest
 error / bound over the GPU matrix's shapes (head dims to 128) and the seeds; a scheme
 passes below 1. docs/kernels.rst ("float32 'highest' on Hopper") has the results and the
 choice they led to (small terms first, each tile's P V in fresh accumulators).
+
+``--backward`` emulates the gradients the same way, as the backward kernels tile them
+(dK, dV per 64-key block over 32-query tiles; dQ per query tile over 64-key tiles), for a
+future split-TF32 backward: every product split (small terms first), the gradients
+accumulated either in place or per tile in fresh accumulators added in float32; error /
+bound with the gradients' 3x rule.
 """
 import sys
 
 import numpy as np
 
-from cuattn.reference import accuracy_bound, attention_reference, naive_attention
+from cuattn.reference import (
+    accuracy_bound,
+    attention_backward_reference,
+    attention_reference,
+    naive_attention,
+    naive_attention_backward,
+)
 
 SHAPES = [(1, 17, 32, 32), (17, 1, 59, 59), (113, 203, 64, 64), (203, 113, 111, 111),
           (1023, 1025, 128, 128), (1025, 1023, 64, 64), (40, 50, 64, 24)]
@@ -107,7 +120,63 @@ SCHEMES = [  # (label, scheme, P V into O)
 ]
 
 
+def gradients(q, k, v, dout, out, lse, rounding, in_place):
+    """dq, dk, dv by split products per (query tile, key tile), P rebuilt from lse."""
+    scale = np.float32(1 / np.sqrt(q.shape[1]))
+    scale_log2 = np.float32(scale * np.log2(np.e))
+    lse_log2 = (lse * np.float32(np.log2(np.e))).astype(np.float32)
+    delta = (dout * out).sum(axis=1, dtype=np.float32)
+    dq = np.zeros(q.shape, np.float32)
+    dk = np.zeros(k.shape, np.float32)
+    dv = np.zeros(v.shape, np.float32)
+
+    def add(acc, a, b):
+        if in_place:
+            return product(a, b, "small first", rounding, acc=acc)
+        return (acc + product(a, b, "small first", rounding)).astype(np.float32)
+
+    for m0 in range(0, q.shape[0], 32):
+        qi, doi = q[m0:m0 + 32], dout[m0:m0 + 32]
+        for n0 in range(0, k.shape[0], 64):
+            kj, vj = k[n0:n0 + 64], v[n0:n0 + 64]
+            s = product(qi, np.ascontiguousarray(kj.T), "small first", rounding)
+            p = np.exp2((s * scale_log2 - lse_log2[m0:m0 + 32, None]).astype(np.float64))
+            p = p.astype(np.float32)
+            dp = product(doi, np.ascontiguousarray(vj.T), "small first", rounding)
+            ds = (p * (dp - delta[m0:m0 + 32, None])).astype(np.float32)
+            dv[n0:n0 + 64] = add(dv[n0:n0 + 64], np.ascontiguousarray(p.T), doi)
+            dk[n0:n0 + 64] = add(dk[n0:n0 + 64], np.ascontiguousarray(ds.T), qi)
+            dq[m0:m0 + 32] = add(dq[m0:m0 + 32], ds, kj)
+    return (dq * scale).astype(np.float32), (dk * scale).astype(np.float32), dv
+
+
+def main_backward(seeds):
+    shapes = [(1, 17, 32, 32), (113, 203, 64, 64), (203, 113, 111, 111), (257, 300, 128, 128)]
+    for rounding in ("nearest", "toward zero"):
+        for label, in_place in (("gradients accumulated in place", True),
+                                ("each tile's products in fresh accumulators", False)):
+            worst = 0.0
+            for seed in range(seeds):
+                for sq, sk, d, dv_ in shapes:
+                    rng = np.random.default_rng(100 * seed + sq)
+                    q, k = (rng.standard_normal((n, d)).astype(np.float32) for n in (sq, sk))
+                    v = rng.standard_normal((sk, dv_)).astype(np.float32)
+                    dout = rng.standard_normal((sq, dv_)).astype(np.float32)
+                    out64, lse64 = attention_reference(q, k, v)
+                    refs = attention_backward_reference(dout, q, k, v)
+                    naive = naive_attention_backward(dout, q, k, v)
+                    got = gradients(q, k, v, dout, out64.astype(np.float32),
+                                    lse64.astype(np.float32), rounding, in_place)
+                    for g, r, n in zip(got, refs, naive):
+                        bound = 3 * float(np.abs(np.asarray(n, np.float64) - r).max()) + 1e-6
+                        worst = max(worst, float(np.abs(g - r).max()) / bound)
+            print(f"{rounding:12s} {label:44s} error / bound {worst:5.2f}", flush=True)
+
+
 def main():
+    if "--backward" in sys.argv:
+        args = [a for a in sys.argv[1:] if a != "--backward"]
+        return main_backward(int(args[0]) if args else 1)
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     for rounding in ("nearest", "toward zero"):
         for label, scheme, pv_into_o in SCHEMES:
