@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from . import _cpu, _dispatch
-from ._checks import AttentionCall, check_attention, check_backward, lse_dtype
+from ._checks import AttentionCall, _cupy_or_none, check_attention, check_backward, lse_dtype
 from ._kernels import ForwardLaunch, attn_params_tail, get_kernel, pack_attn_bwd_params
 from .reference import sum_to_shape
 
@@ -360,22 +360,16 @@ def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
 #: choose a family or the sources; so a call that matches one needs neither (PERF.md: host
 #: overhead).
 _repeated: dict = {}
-_CUPY_TYPES: list = []  # [cupy.ndarray, cupy.cuda.runtime.getDevice, get_current_stream]
 
 
 def _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision):
     """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
     unseen signature is validated and planned the long way, then remembered)."""
-    if not _CUPY_TYPES:
-        try:
-            import cupy
-            _CUPY_TYPES.extend((cupy.ndarray, cupy.cuda.runtime.getDevice,
-                                cupy.cuda.get_current_stream))
-        except ImportError:
-            _CUPY_TYPES.append(None)
-    ndarray = _CUPY_TYPES[0]
-    if ndarray is None or type(q) is not ndarray or type(k) is not ndarray or \
-            type(v) is not ndarray:
+    cupy = _cupy_or_none()
+    if cupy is None:
+        return None
+    ndarray = cupy.ndarray
+    if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
     qd, kd, vd = q.data, k.data, v.data
     device = qd.device_id
@@ -415,13 +409,13 @@ def _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_l
             _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
                               lse_dtype(call.dtype), plan[0])
         return (out, lse) if call.return_lse else out
-    if _CUPY_TYPES[1]() != device:
+    if cupy.cuda.runtime.getDevice() != device:
         return None  # another device is current: the long way enters q's
     out_shape, dtype, lse_shape, lse_dt, launch = entry
     out = ndarray(out_shape, dtype)
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-            *pointers], _CUPY_TYPES[2]().ptr)
+            *pointers], cupy.cuda.get_current_stream().ptr)
     return (out, lse) if return_lse else out
 
 

@@ -150,46 +150,56 @@ def gradients(q, k, v, dout, out, lse, rounding, in_place):
     return (dq * scale).astype(np.float32), (dk * scale).astype(np.float32), dv
 
 
-def main_backward(seeds):
-    shapes = [(1, 17, 32, 32), (113, 203, 64, 64), (203, 113, 111, 111), (257, 300, 128, 128)]
-    for rounding in ("nearest", "toward zero"):
-        for label, in_place in (("gradients accumulated in place", True),
-                                ("each tile's products in fresh accumulators", False)):
-            worst = 0.0
-            for seed in range(seeds):
-                for sq, sk, d, dv_ in shapes:
-                    rng = np.random.default_rng(100 * seed + sq)
-                    q, k = (rng.standard_normal((n, d)).astype(np.float32) for n in (sq, sk))
-                    v = rng.standard_normal((sk, dv_)).astype(np.float32)
-                    dout = rng.standard_normal((sq, dv_)).astype(np.float32)
-                    out64, lse64 = attention_reference(q, k, v)
-                    refs = attention_backward_reference(dout, q, k, v)
-                    naive = naive_attention_backward(dout, q, k, v)
-                    got = gradients(q, k, v, dout, out64.astype(np.float32),
-                                    lse64.astype(np.float32), rounding, in_place)
-                    for g, r, n in zip(got, refs, naive):
-                        bound = 3 * float(np.abs(np.asarray(n, np.float64) - r).max()) + 1e-6
-                        worst = max(worst, float(np.abs(g - r).max()) / bound)
-            print(f"{rounding:12s} {label:44s} error / bound {worst:5.2f}", flush=True)
+BACKWARD_SHAPES = [(1, 17, 32, 32), (113, 203, 64, 64), (203, 113, 111, 111),
+                   (257, 300, 128, 128)]
+
+
+def inputs(seeds, shapes):
+    """q, k, v and dout of every seed and shape (q, k, v are drawn first, as before dout
+    existed, so the forward's inputs do not depend on it)."""
+    for seed in range(seeds):
+        for sq, sk, d, dv in shapes:
+            rng = np.random.default_rng(100 * seed + sq)
+            q, k = (rng.standard_normal((n, d)).astype(np.float32) for n in (sq, sk))
+            v = rng.standard_normal((sk, dv)).astype(np.float32)
+            yield q, k, v, rng.standard_normal((sq, dv)).astype(np.float32)
+
+
+def forward_ratio(q, k, v, scheme, rounding, pv_into_o):
+    ref = attention_reference(q, k, v)[0]
+    bound = accuracy_bound(naive_attention(q, k, v), ref)
+    return float(np.abs(attention(q, k, v, scheme, rounding, pv_into_o) - ref).max()) / bound
+
+
+def backward_ratio(q, k, v, dout, rounding, in_place):
+    out64, lse64 = attention_reference(q, k, v)
+    got = gradients(q, k, v, dout, out64.astype(np.float32), lse64.astype(np.float32),
+                    rounding, in_place)
+    worst = 0.0
+    for g, r, n in zip(got, attention_backward_reference(dout, q, k, v),
+                       naive_attention_backward(dout, q, k, v)):
+        bound = 3 * float(np.abs(np.asarray(n, np.float64) - r).max()) + 1e-6
+        worst = max(worst, float(np.abs(g - r).max()) / bound)
+    return worst
 
 
 def main():
-    if "--backward" in sys.argv:
-        args = [a for a in sys.argv[1:] if a != "--backward"]
-        return main_backward(int(args[0]) if args else 1)
-    seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    backward = "--backward" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--backward"]
+    seeds = int(args[0]) if args else 1
+    if backward:
+        cases = [("gradients accumulated in place", True),
+                 ("each tile's products in fresh accumulators", False)]
+    else:
+        cases = [(label, (scheme, pv_into_o)) for label, scheme, pv_into_o in SCHEMES]
     for rounding in ("nearest", "toward zero"):
-        for label, scheme, pv_into_o in SCHEMES:
-            worst = 0.0
-            for seed in range(seeds):
-                for sq, sk, d, dv in SHAPES:
-                    rng = np.random.default_rng(100 * seed + sq)
-                    q, k = (rng.standard_normal((n, d)).astype(np.float32) for n in (sq, sk))
-                    v = rng.standard_normal((sk, dv)).astype(np.float32)
-                    ref = attention_reference(q, k, v)[0]
-                    bound = accuracy_bound(naive_attention(q, k, v), ref)
-                    err = np.abs(attention(q, k, v, scheme, rounding, pv_into_o) - ref).max()
-                    worst = max(worst, float(err) / bound)
+        for label, case in cases:
+            if backward:
+                worst = max(backward_ratio(q, k, v, dout, rounding, case)
+                            for q, k, v, dout in inputs(seeds, BACKWARD_SHAPES))
+            else:
+                worst = max(forward_ratio(q, k, v, case[0], rounding, case[1])
+                            for q, k, v, _ in inputs(seeds, SHAPES))
             print(f"{rounding:12s} {label:48s} error / bound {worst:5.2f}", flush=True)
 
 
