@@ -587,6 +587,9 @@ class BackwardChoice:
     threads_dkdv: int = THREADS
     threads_dq: int = THREADS
     threads_delta: int = THREADS
+    # dkdv is one kernel that also writes dQ (dq is None): dQ of each query tile of dq_rows
+    # rows is summed over the key blocks in key order through a float scratch
+    fused: bool = False
 
 
 def backward_smem_bytes(tiles: BwdTiles, d_tile: int, acc_itemsize: int) -> tuple[int, int]:
@@ -664,10 +667,13 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
 
 @dataclass(frozen=True)
 class Sm90BwdTiles:
-    block_m: int   # query tile of the dK/dV kernel (64 keys per block, one warpgroup)
-    block_n: int   # key tile of the dQ kernel (64 query rows per block)
+    block_m: int   # query tile of the dK/dV (or fused) kernel
+    block_n: int   # key tile of the dQ kernel (64 query rows per block); 128 keys per
+    #                block for the fused kernel (two warpgroups of 64)
     dkdv_min_blocks: int = 1
     dq_min_blocks: int = 1
+    fused: bool = False  # one kernel, dQ added across key blocks in key order: slower
+    #                      than the two kernels so far, reached only through explicit tiles
 
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
@@ -676,17 +682,24 @@ SM90_BACKWARD_TILES = (
      "H200 bf16 B4 H32 S4096 D64 (session 6, tools/sweep_backward.py --sm90 64): 32-query "
      "dK/dV tiles, both kernels capped at 3 blocks per SM, 153.6 / 131.1 TFLOP/s "
      "(non-causal / causal); uncapped 148.7 / 130.4; 64-query 133.6 / 116.7 (run AB: "
-     "131.1 / 122.2); 128-query 128.4 / 116.3; 32-query with 128-key dQ tiles 126.1 / 111.0"),
+     "131.1 / 122.2); 128-query 128.4 / 116.3; 32-query with 128-key dQ tiles 126.1 / 111.0. "
+     "Session 9: the fused kernel (fused=True, 64-query tiles) 123.3 / 116.2 against this "
+     "row's 152.7 / 134.2 in the same run (docs/kernels.rst)"),
     (128, (Sm90BwdTiles(32, 64),),
      "H200 bf16 B4 H16 S4096 D128 (session 6, tools/sweep_backward.py --sm90): 32-query "
      "dK/dV tiles 180.7 / 159.6 (242 registers, no spills); 64-query 185.3 / 169.6 in the same "
      "run, but its plain instance spills 4 bytes (NVRTC gate); 32-query with 128-key dQ "
-     "tiles 132.9 / 120.8"),
+     "tiles 132.9 / 120.8. Session 9: the fused kernel (fused=True, 32-query tiles) "
+     "154.7 / 140.0 against 180.3 / 155.7 in the same run"),
 )
 
 
 def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90."""
+    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90, or of
+    attention_bwd_sm90_fused (and 0)."""
+    if tiles.fused:
+        bm = tiles.block_m
+        return (128 * (hd + hdv) + 3 * bm * (hd + hdv) + bm * 128) * 2 + 3 * 2 * bm * 4, 0
     dkdv = (64 * (hd + hdv) + 2 * tiles.block_m * (hd + hdv)) * 2 + 2 * 2 * tiles.block_m * 4
     dq = (64 + 2 * tiles.block_n) * (hd + hdv) * 2
     return dkdv, dq
@@ -705,6 +718,13 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
     flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
     al = str(aligned).lower()
+    if tiles.fused:
+        return BackwardChoice(
+            "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
+            f"attention_bwd_sm90_fused<{t}, {g_kv}, {g_q}, {flags}, {tiles.block_m}, {al}, "
+            f"{tiles.dkdv_min_blocks}>", None,
+            128, tiles.block_m, max(hd, hdv), hd, *smem, threads_dkdv=256, threads_dq=0,
+            fused=True)
     return BackwardChoice(
         "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
@@ -820,6 +840,8 @@ def backward_instances(arch: str):
                                 fast = (bias is None and not has_mask and grads[0] == dtype
                                         and aligned)
                                 for expr in (choice.delta, choice.dkdv, choice.dq):
+                                    if expr is None:  # the fused kernel writes dQ too
+                                        continue
                                     key = (choice.filename, expr)
                                     seen[key] = seen.get(key, False) or fast
     return [(f, e, fast) for (f, e), fast in seen.items()]

@@ -236,17 +236,21 @@ ATTN_BWD_PARAMS_DTYPE = np.dtype(
     [("f", ATTN_PARAMS_DTYPE)]
     + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
                                "num_col_tiles")]
-    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")],
+    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")]
+    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles")],
     align=True)
-_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q")
+_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q4q")
 assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
 
 
 def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
-                         bwd_ints: list[int], bwd_strides: list[int]) -> np.void:
+                         bwd_ints: list[int], bwd_strides: list[int],
+                         fused: tuple[int, int, int, int] = (0, 0, 0, 0)) -> np.void:
     """The AttnBwdParams block: the forward's 17 integer fields (seven pointers, then the ten of
     :func:`attn_params_tail`), then
-    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles) and
-    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv)."""
-    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides)
+    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles),
+    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv) and ``fused`` (the fused
+    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles)."""
+    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides,
+                                       *fused)
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]

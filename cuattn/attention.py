@@ -448,6 +448,11 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     return out, lse
 
 
+#: Largest dQ scratch of the fused backward (attention_bwd_sm90_fused): batch entries run in
+#: chunks whose scratch fits, so the backward's extra memory stays O(B·H·S) beyond it.
+FUSED_SCRATCH_BYTES = 64 * 2**20
+
+
 def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
     """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels. A
     gradient of an input that was broadcast over batch axes is computed per batch entry in
@@ -465,12 +470,17 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
         direct[1] = direct[2] = direct[1] and direct[2]  # dK and dV share one kernel
         kv_dtype = call.dtype if direct[1] else acc
         q_dtype = call.dtype if direct[0] else acc
-        targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
-                   for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
-        delta = cupy.empty(call.lse_shape, acc)
         cc, smem_limit = _device_limits(call.q.device.id)
         choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
                                             kernel, tiles)
+        # the fused kernel writes dQ of the query tiles that some key block reaches: under a
+        # band the others (rows that see no key) are zeros from the start
+        banded = call.window_left >= 0 or call.window_right >= 0
+        targets = [(cupy.zeros if i == 0 and choice.fused and banded else cupy.empty)(
+                       x.shape if d else batch + x.shape[-2:], g)
+                   for i, (x, d, g) in enumerate(zip(inputs, direct,
+                                                     (q_dtype, kv_dtype, kv_dtype)))]
+        delta = cupy.empty(call.lse_shape, acc)
         tensors = _forward_tensors(call, out, lse) + [
             (dout, _broadcast_strides(dout, dout.shape)),
             (delta, _broadcast_strides(delta, delta.shape) + [0]),
@@ -489,17 +499,41 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
              -(-rows_q // (choice.threads_delta // 32))),
             (choice.dkdv, choice.smem_dkdv, choice.threads_dkdv, dkdv_rows, dkdv_cols,
              dkdv_rows * dkdv_cols * inner),
-            (choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
-             dq_rows * dq_cols * inner),
         ]
+        if not choice.fused:
+            launches.append((choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
+                             dq_rows * dq_cols * inner))
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
+
+        def launch(fn, smem, threads, rows, cols, blocks, pointers, fused=(0, 0, 0, 0)):
+            params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
+                                          strides[:35], pointers[7:] + [rows, cols],
+                                          strides[35:], fused)
+            fn((blocks,), (threads,), (params,), shared_mem=smem)
+
+        if choice.fused:
+            # dQ scratch (query tile x padded head dim floats) and turn counters (two per
+            # tile) for a chunk of batch entries; chunks keep the scratch within
+            # FUSED_SCRATCH_BYTES (or one batch entry)
+            tile_floats = choice.dq_rows * choice.dq_col_tile
+            per_entry = dq_rows * tile_floats * 4
+            chunk = max(1, min(inner, FUSED_SCRATCH_BYTES // per_entry))
+            scratch = cupy.empty(chunk * dq_rows * tile_floats, np.float32)
+            turns = cupy.empty(chunk * dq_rows * 2, np.int32)
+            stream = cupy.cuda.get_current_stream().ptr
         for pointers in pointer_sets:
-            for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):
-                params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
-                                              strides[:35], pointers[7:] + [rows, cols],
-                                              strides[35:])
-                fn((blocks,), (threads,), (params,), shared_mem=smem)
+            launch(kernels[0], *launches[0][1:], pointers)
+            if not choice.fused:
+                for fn, (_, *rest) in zip(kernels[1:], launches[1:]):
+                    launch(fn, *rest, pointers)
+                continue
+            _, smem, threads, rows, cols, _ = launches[1]
+            for begin in range(0, inner, chunk):
+                n = min(chunk, inner - begin)
+                cupy.cuda.runtime.memsetAsync(turns.data.ptr, 0, n * dq_rows * 2 * 4, stream)
+                launch(kernels[1], smem, threads, rows, cols, rows * cols * n, pointers,
+                       (scratch.data.ptr, turns.data.ptr, begin, dq_rows))
         grads = []
         for x, d, g in zip(inputs, direct, targets):
             if not d:

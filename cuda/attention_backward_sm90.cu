@@ -18,12 +18,27 @@
 //             dP = dO V^T, dS in registers, dQ += dS K (K transposed).
 //             Each gradient element is written once by one thread: no atomics, repeated
 //             calls are bit-identical.
+//             attention_bwd_sm90_fused (the fused form, reached through explicit tiles:
+//             slower than the two kernels so far, docs/kernels.rst): two warpgroups own
+//             64 keys each; per query tile (BLOCK_M rows, three stages) each does the dK/dV
+//             kernel's four products, writes its dS^T into a shared dS tile (stmatrix
+//             .trans), and after a barrier computes its half of dQ^T = K^T dS^T over the
+//             block's 128 keys (A = K read M-contiguous). The key blocks that reach a query
+//             tile add their dQ parts in key order: a turn counter per tile and warpgroup
+//             says whose turn it is; the first stores into a float scratch, the middle ones
+//             add (red.add), the last adds the scratch to its part and writes dq -- one
+//             fixed order, so repeated calls are bit-identical. A turn waits only on lower
+//             key blocks of the same batch entry, which the grid order starts earlier.
 // Template:   T; G gradient storage (T, or float for a gradient that Python sums over
-//             broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128,
-//             zero-padded); the tile of the other sequence (BLOCK_M for dK/dV: 32, 64 or
-//             128; BLOCK_N for dQ: 64 or 128); ALIGNED; MIN_BLOCKS.
+//             broadcast axes; the fused kernel takes G for dK, dV and GQ for dQ); BiasT;
+//             HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); the tile of the other
+//             sequence (BLOCK_M for dK/dV: 32, 64 or 128; BLOCK_N for dQ: 64 or 128; the
+//             fused kernel's query tile BLOCK_M: 32 or 64); ALIGNED; MIN_BLOCKS.
 // Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (64 + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
+//             fused: (128*(HEAD_DIM+HEAD_DIM_V) + 3*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
+//             + 128*BLOCK_M)*2 + 3*2*BLOCK_M*4 bytes, plus (global) a float scratch of
+//             BLOCK_M x HEAD_DIM per query tile and two int turn counters per query tile;
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
 //             cuattn/_dispatch.py::sm90_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
@@ -264,4 +279,283 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     G* dq_out = reinterpret_cast<G*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
     store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
                lane, float(p.scale));
+}
+
+// ---- the fused kernel: dK, dV and dQ in one pass -----------------------------------
+
+namespace {
+
+// stmatrix .trans: four 8x8 16-bit matrices given as m16n8 fragments (r[m]: lane g = lane/4
+// holds row g, columns 2t and 2t + 1 of matrix m) are stored transposed, column c of matrix
+// m to the 16 bytes at the shared address that lane 8m + c passes.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_relaxed(int* p, int v) {
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b)
+                 : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
+// barrier of one warpgroup (named barrier 1 + w; 0 is __syncthreads)
+__device__ __forceinline__ void warpgroup_sync(int w) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory");
+}
+
+// A warp's dS^T (16 keys x BLOCK_M queries, m16n8 layout, rounded to T) into the dS tile
+// (BLOCK_M query rows, 128 keys contiguous, Sw128<BLOCK_M>) at keys key0 .. key0 + 15:
+// matrix (j, h) of the warp -- keys 8h .., queries 8j .. -- goes transposed to rows 8j ..
+template <typename T, int BLOCK_M>
+__device__ __forceinline__ void store_ds(T* ds_s, const float (&x)[BLOCK_M / 8][4], int key0,
+                                         int lane) {
+    const int m = lane / 8, c = lane % 8;  // this lane addresses row c of matrix m
+#pragma unroll
+    for (int jj = 0; jj < BLOCK_M / 16; ++jj) {
+        const unsigned r[4] = {pack2<T>(x[2 * jj][0], x[2 * jj][1]),
+                               pack2<T>(x[2 * jj][2], x[2 * jj][3]),
+                               pack2<T>(x[2 * jj + 1][0], x[2 * jj + 1][1]),
+                               pack2<T>(x[2 * jj + 1][2], x[2 * jj + 1][3])};
+        const int q = 16 * jj + 8 * (m / 2) + c, key = key0 + 8 * (m % 2);
+        stmatrix_x4_trans(smem_addr(ds_s + Sw128<BLOCK_M>()(q, key)), r);
+    }
+}
+
+// acc (64 head-dim rows x N queries) = K^T dS^T over the block's 128 keys: A = K^T, read
+// M-contiguous (ss_ta) from column group d_group of the two 64-key K tiles (k_tile_bytes
+// apart); B = the dS tile's rows from ds_rows on, K-contiguous (keys), 64-key groups
+// BLOCK_M * 128 bytes apart. Fences and issues; the caller commits and waits.
+template <int N, typename T, int BLOCK_M>
+__device__ __forceinline__ void product_dq(float (&acc)[N / 8][4], unsigned k_base,
+                                           unsigned k_tile_bytes, int d_group, unsigned ds_rows) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const unsigned a = k_base + (kk / 4) * k_tile_bytes + d_group * 64 * 128 + (kk % 4) * 2048;
+        const unsigned b = ds_rows + (kk / 4) * BLOCK_M * 128 + (kk % 4) * 32;
+        Wgmma<N, T>::ss_ta(acc, sw128_desc(a, 64 * 128), sw128_desc(b, 0), kk > 0);
+    }
+}
+
+}  // namespace
+
+template <typename T, typename G, typename GQ, typename BiasT, bool HAS_MASK, int HEAD_DIM,
+          int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS) attention_bwd_sm90_fused(const AttnBwdParams bp) {
+    constexpr int THREADS = 256, BLOCK_N = 128, KEYS = 64, STAGES = 3;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_M == 32 || BLOCK_M == 64),
+                  "wgmma shapes of wgmma.cuh");
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    constexpr int K_ELEMS = KEYS * HEAD_DIM, V_ELEMS = KEYS * HEAD_DIM_V;
+    // dQ^T of a query tile: at HEAD_DIM 128 warpgroup w takes head-dim rows 64w .. 64w + 63
+    // of every query, at 64 all rows of queries w * BLOCK_M / 2 ..
+    constexpr int DQ_N = HEAD_DIM == 128 ? BLOCK_M : BLOCK_M / 2;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    T* k_s = reinterpret_cast<T*>(smem_raw);  // [2][64 x HEAD_DIM]: warpgroup w's keys
+    T* v_s = k_s + 2 * K_ELEMS;               // [2][64 x HEAD_DIM_V]
+    T* q_s = v_s + 2 * V_ELEMS;               // [STAGES][BLOCK_M x HEAD_DIM]
+    T* do_s = q_s + STAGES * Q_ELEMS;         // [STAGES][BLOCK_M x HEAD_DIM_V]
+    T* ds_s = do_s + STAGES * DO_ELEMS;       // [BLOCK_M x 128]: dS, keys contiguous
+    float* lse_s = reinterpret_cast<float*>(ds_s + BLOCK_M * BLOCK_N);  // [STAGES][BLOCK_M]
+    float* delta_s = lse_s + STAGES * BLOCK_M;                         // [STAGES][BLOCK_M]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    // heaviest key blocks first under a band; a key block of a batch entry never precedes
+    // a lower one (the dQ turns below rely on it)
+    const BlockCoords blk = block_coords(bp.num_row_blocks, 1,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const long long n_block = blk.row_block, b_local = blk.b, b = bp.batch_begin + b_local;
+    const long long n0 = n_block * BLOCK_N;
+
+    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
+    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
+    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
+    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
+    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    GQ* dq_out = reinterpret_cast<GQ*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
+
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+        load_tile<KEYS, HEAD_DIM, THREADS, ALIGNED>(k_s + w * K_ELEMS, k + w * KEYS * p.k_s.row,
+                                                    p.k_s.row, p.k_s.col, p.seqlen_k - n0 - w * KEYS,
+                                                    p.head_dim, Sw128<KEYS>());
+        load_tile<KEYS, HEAD_DIM_V, THREADS, ALIGNED>(v_s + w * V_ELEMS, v + w * KEYS * p.v_s.row,
+                                                      p.v_s.row, p.v_s.col,
+                                                      p.seqlen_k - n0 - w * KEYS, p.head_dim_v,
+                                                      Sw128<KEYS>());
+    }
+    auto request_q = [&](long long m0, int st) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                       p.head_dim, Sw128<BLOCK_M>());
+        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M>());
+        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+            const long long r = m0 + i;
+            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
+                                                     : neg_inf<float>();
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+        }
+    };
+    if (m_lo < m_hi) request_q(m_lo, 0);
+    cp_async_commit();
+
+    float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
+    zero(dk);
+    zero(dv);
+    const unsigned k_base = smem_addr(k_s), k_own = k_base + wg * K_ELEMS * 2;
+    const unsigned v_own = smem_addr(v_s + wg * V_ELEMS);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s), ds_base = smem_addr(ds_s);
+    const ScoreConsts<float> consts(p);
+    const int key0 = KEYS * wg + 16 * (warp % 4);  // this warp's first key in the block
+    // this warpgroup's part of dQ^T: head-dim rows d0 .., queries q0 .. of the tile
+    const int d0 = HEAD_DIM == 128 ? 64 * wg : 0, q0 = HEAD_DIM == 128 ? 0 : wg * DQ_N;
+    float* const dq_acc = reinterpret_cast<float*>(bp.dq_acc);
+    int* const dq_turn = reinterpret_cast<int*>(bp.dq_turn);
+    // the turn this warpgroup passes on once its parts of the last tile are in the scratch:
+    // the parts of every thread are ordered before it by a barrier, then one thread's fence
+    // (cumulative) and store publish them
+    int* pending = nullptr;
+    int pending_turn = 0;
+    auto pass_turn = [&]() {
+        if (pending != nullptr && threadIdx.x % 128 == 0) {
+            fence_acq_rel_gpu();
+            st_relaxed(pending, pending_turn);
+        }
+        pending = nullptr;
+    };
+
+    int stage = 0;
+    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage = (stage + 1) % STAGES) {
+        // three stages: the one refilled here was last read two tiles ago, and every thread
+        // has passed a barrier since its warpgroup's products of that tile completed
+        if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, (stage + 1) % STAGES);
+        cp_async_commit();
+        cp_async_wait<1>();   // all but the group just issued have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores ...
+        __syncthreads();      // ... for every thread: K, V (first time), this query tile
+        const unsigned q_tile = q_base + stage * Q_ELEMS * 2, do_tile = do_base + stage * DO_ELEMS * 2;
+        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: this warpgroup's keys x queries
+        wgmma_fence();
+        product_ss<BLOCK_M, HEAD_DIM, T>(s, k_own, q_tile);
+        product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_own, do_tile);
+        wgmma_commit();
+        pass_turn();  // the previous tile's dQ parts, ordered by the barrier above
+        // this tile's dQ turn: where this key block stands among those that reach the tile,
+        // and the turn counter as it is now (read while the products run)
+        const Range band = key_band(p, m0, min(m0 + BLOCK_M, p.seqlen_q) - 1, BLOCK_N);
+        const long long first = band.lo / BLOCK_N;
+        const int count = (int)((band.hi + BLOCK_N - 1) / BLOCK_N - first);
+        const int turn = (int)(n_block - first);
+        const long long slot = b_local * bp.num_q_tiles + m0 / BLOCK_M;
+        int* turn_flag = dq_turn + 2 * slot + wg;
+        int seen = 0;
+        if (turn > 0 && threadIdx.x % 128 == 0) seen = ld_acquire(turn_flag);
+        wgmma_wait<0>();
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const float* lse_t = lse_s + stage * BLOCK_M;
+        const float* delta_t = delta_s + stage * BLOCK_M;
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
+                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts, m0 + col,
+                                   n0 + key0 + lane / 4 + 8 * (e / 2), lse_t[col], delta_t[col],
+                                   interior, mask, bias);
+            }
+        product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
+        product_rs<HEAD_DIM, BLOCK_M, T>(dk, dp, q_tile);
+        wgmma_commit();
+        store_ds<T, BLOCK_M>(ds_s, dp, key0, lane);
+        fence_proxy_async();  // dS visible to the tensor cores ...
+        __syncthreads();      // ... once both warpgroups have written theirs
+        float dq[DQ_N / 8][4];
+        product_dq<DQ_N, T, BLOCK_M>(dq, k_base, K_ELEMS * 2, d0 / 64, ds_base + q0 * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+
+        // dQ of this query tile = the sum over the key blocks that reach it, added in key
+        // order: key block `first + turn` adds its part when dq_turn says it is its turn
+        // (float scratch; the first stores, the last adds the scratch to its own part and
+        // writes dq), so repeated calls are bit-identical
+        float* acc = dq_acc + slot * (HEAD_DIM * BLOCK_M);
+        if (turn > 0) {
+            if (threadIdx.x % 128 == 0)
+                while (seen < turn) seen = ld_acquire(turn_flag);
+            warpgroup_sync(wg);
+        }
+        const bool last = turn == count - 1;
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int d = d0 + 16 * (warp % 4) + lane / 4 + 8 * h;
+                const int ql = q0 + 8 * j + 2 * (lane % 4);
+                float x0 = dq[j][2 * h], x1 = dq[j][2 * h + 1];
+                float* at = acc + d * BLOCK_M + ql;
+                if (!last) {
+                    if (turn == 0)
+                        __stcg(reinterpret_cast<float2*>(at), make_float2(x0, x1));
+                    else
+                        red_add2(at, x0, x1);
+                    continue;
+                }
+                if (turn > 0) {
+                    const float2 before = __ldcg(reinterpret_cast<const float2*>(at));
+                    x0 = before.x + x0;
+                    x1 = before.y + x1;
+                }
+                const long long r = m0 + ql;
+                if (d < p.head_dim) {
+                    if (r < p.seqlen_q)
+                        dq_out[r * bp.dq_s.row + d * bp.dq_s.col] = from_acc<GQ>(x0 * float(p.scale));
+                    if (r + 1 < p.seqlen_q)
+                        dq_out[(r + 1) * bp.dq_s.row + d * bp.dq_s.col] =
+                            from_acc<GQ>(x1 * float(p.scale));
+                }
+            }
+        // the next key block's turn is given after the next barrier, once the next tile's
+        // S and dP run (pass_turn): the fence that orders the parts before it waits for
+        // them to reach L2, and the tensor cores need not wait with it
+        pending = last ? nullptr : turn_flag;
+        pending_turn = turn + 1;
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+    warpgroup_sync(wg);  // the last tile's parts of every thread of the warpgroup ...
+    pass_turn();         // ... before its turn passes
+
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    const long long row0 = n0 + key0;
+    store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+               float(p.scale));
+    store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
 }

@@ -156,6 +156,10 @@ struct AttnBwdParams {
     long long dout, delta, dq, dk, dv;        // device addresses; delta: acc type, (batch, Sq)
     long long num_row_blocks, num_col_tiles;  // grid decomposition, computed in Python
     Strides dout_s, delta_s, dq_s, dk_s, dv_s;
+    // the fused kernel's dQ accumulation (attention_bwd_sm90_fused; zero for the others):
+    // float scratch and int turn counters for a chunk of batch entries starting at
+    // batch_begin, num_q_tiles query tiles each
+    long long dq_acc, dq_turn, batch_begin, num_q_tiles;
 };
 
 // Offset of element (b, row, col) of a tensor described by strides s, where b is the

@@ -7,12 +7,12 @@ the gradients' sizes, so an element that a kernel fails to write shows up as NaN
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, to_host
-from _gpu_matrix import combos, shape_params
+from _gpu_matrix import DTYPES, combos, shape_params
 from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 import cuattn
-from cuattn._dispatch import BACKWARD_FAMILIES
+from cuattn._dispatch import BACKWARD_FAMILIES, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
@@ -28,8 +28,9 @@ def _poison_pool(*shapes_and_dtypes):
     del blocks
 
 
-def _backward(family, dout, q, k, v, **kw):
-    """Forward on the GPU (default dispatch), then the backward of ``family``; host arrays."""
+def _backward(family, dout, q, k, v, tiles=None, **kw):
+    """Forward on the GPU (default dispatch), then the backward of ``family`` (with
+    ``tiles`` instead of its table's when given); host arrays."""
     cp = _cp()
     dev = {n: cp.asarray(x) for n, x in (("q", q), ("k", k), ("v", v))}
     extra = {n: cp.asarray(kw[n]) for n in ("mask", "bias") if n in kw}
@@ -39,15 +40,15 @@ def _backward(family, dout, q, k, v, **kw):
                  *((np.broadcast_shapes(out.shape[:-2], x.shape[:-2]) + x.shape[-2:],
                     np.float64 if q.dtype == np.float64 else np.float32) for x in (q, k, v)))
     grads = _attention_backward(cp.asarray(dout), dev["q"], dev["k"], dev["v"], out, lse,
-                                kernel=family, **plain, **extra)
+                                kernel=family, tiles=tiles, **plain, **extra)
     return [to_host(g) for g in grads]
 
 
-def _check(family, q, k, v, rng, **kw):
+def _check(family, q, k, v, rng, tiles=None, **kw):
     shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]) + \
         (q.shape[-2], v.shape[-1])
     dout = rng.standard_normal(shape).astype(q.dtype)
-    got = _backward(family, dout, q, k, v, **kw)
+    got = _backward(family, dout, q, k, v, tiles, **kw)
     want = attention_backward_reference(dout, q, k, v, **kw)
     naive = naive_attention_backward(dout, q, k, v, **kw)
     for name, x, g, w, n in zip("qkv", (q, k, v), got, want, naive):
@@ -222,3 +223,57 @@ def test_lse_of_the_wrong_call_is_refused_before_launch():
         cuattn.attention_backward(out, q, q, q, out, lse[:, :3])
     with pytest.raises(TypeError, match="host and device arrays cannot be mixed"):
         cuattn.attention_backward(to_host(out), q, q, q, out, lse)
+
+
+#: The sm90 family's fused form (one kernel; dQ summed over key blocks in key order through
+#: a float scratch), reached only through explicit tiles: 128 keys per block, query tiles
+#: of 64 rows at D64 and 32 at D128.
+FUSED_TILES = {64: Sm90BwdTiles(64, 128, fused=True), 128: Sm90BwdTiles(32, 128, fused=True)}
+FUSED_CASES = {
+    "plain": (97, 300, {}),
+    "causal_rows_without_keys": (300, 97, {"causal": True}),  # query tiles no key reaches
+    "window": (300, 300, {"window": (37, 5)}),
+    "everything": (150, 260, {"causal": True, "window": (90, None), "softcap": 3.0}),
+    "mask": (200, 200, {"mask": "random"}),
+}
+
+
+def _needs_sm90():
+    if _cp().cuda.Device().compute_capability != "90":
+        pytest.skip("the sm90 family runs on sm_90 only")
+
+
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("dtype", [p for p in DTYPES if np.dtype(p).itemsize == 2],
+                         ids=lambda d: np.dtype(d).name)
+def test_sm90_fused_form(dtype, head, case):
+    _needs_sm90()
+    sq, sk, kw = FUSED_CASES[case]
+    rng = np.random.default_rng(sq + sk + head)
+    kw = dict(kw)
+    if kw.get("mask") == "random":
+        kw["mask"] = rng.random((2, 1, sq, sk)) > 0.3
+    _check("sm90", _rand(rng, (2, 3, sq, head), dtype), _rand(rng, (2, 3, sk, head), dtype),
+           _rand(rng, (2, 3, sk, head), dtype), rng, tiles=FUSED_TILES[head], **kw)
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_sm90_fused_form_is_bit_identical_and_sums_broadcasts(head):
+    _needs_sm90()
+    cp = _cp()
+    rng = np.random.default_rng(head)
+    dtype = np.float16
+    q = _rand(rng, (2, 2, 3, 600, head), dtype)  # (B, Hkv, G, S, D): five key blocks
+    k, v = _rand(rng, (2, 2, 1, 600, head), dtype), _rand(rng, (2, 2, 1, 600, head), dtype)
+    _check("sm90", q, k, v, rng, tiles=FUSED_TILES[head], causal=True)
+    q, k, v = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    dout = cp.asarray(_rand(rng, out.shape, dtype))
+    first = [to_host(g) for g in _attention_backward(dout, q, k, v, out, lse, kernel="sm90",
+                                                     tiles=FUSED_TILES[head])]
+    for _ in range(10):
+        again = _attention_backward(dout, q, k, v, out, lse, kernel="sm90",
+                                    tiles=FUSED_TILES[head])
+        for a, b in zip(first, again):
+            assert a.tobytes() == to_host(b).tobytes()

@@ -19,11 +19,11 @@ def forward(dtype, head, *, gpu=H200, precision=None, forced=None, bias=None, ma
     return d._choose(dtype, head, head, bias, mask, True, cc, smem, forced, None, precision)
 
 
-def backward(dtype, head, *, gpu=H200, grads=None, forced=None):
+def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None):
     cc, smem = gpu
     grads = grads or (dtype, dtype)
     return d._choose_backward(dtype, head, head, None, False, grads, True, cc, smem, forced,
-                              None)
+                              tiles)
 
 
 def test_forward_families_by_dtype_precision_and_head_dim():
@@ -219,6 +219,9 @@ def test_broadcast_gradients_are_written_in_the_accumulator_type():
     choice = backward(F16, 64, grads=(F32, F16))
     assert choice.dkdv.startswith("attention_bwd_dkdv_sm90<__half, float,")
     assert choice.dq.startswith("attention_bwd_dq_sm90<__half, __half,")
+    choice = backward(F16, 64, grads=(F32, F16), tiles=d.Sm90BwdTiles(64, 128, fused=True))
+    assert choice.dkdv.startswith("attention_bwd_sm90_fused<__half, float, __half,")
+    assert choice.fused and choice.dq is None
     choice = backward(F64, 64, grads=(F64, F64))
     assert choice.dkdv.startswith("attention_bwd_dkdv<double, double,")
 
@@ -232,8 +235,16 @@ def test_every_backward_candidate_fits_its_gpu():
 
 
 def test_sm90_backward_instances_and_shared_memory():
-    # one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all columns in one block
-    # (32-query tiles in dK/dV, both kernels capped at 3 blocks per SM at D64)
+    # the fused kernel (explicit tiles): two warpgroups of 64 keys; K, V, three stages of
+    # Q, dO, lse and delta, and the dS tile
+    choice = backward(BF16, 40, tiles=d.Sm90BwdTiles(64, 128, fused=True))
+    assert choice.dkdv == ("attention_bwd_sm90_fused<__nv_bfloat16, __nv_bfloat16, "
+                           "__nv_bfloat16, cuattn::NoBias, false, 64, 64, 64, true, 1>")
+    assert choice.fused and choice.dq is None and choice.threads_dkdv == 256
+    assert choice.dkdv_rows == 128 and choice.dq_rows == 64 and choice.dq_col_tile == 64
+    assert choice.smem_dkdv == (128 * 128 + 3 * 64 * 128 + 64 * 128) * 2 + 3 * 2 * 64 * 4
+    # the table's two kernels: one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all
+    # columns in one block (32-query tiles in dK/dV, both capped at 3 blocks per SM at D64)
     choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
                            "cuattn::NoBias, false, 64, 64, 32, true, 3>")
