@@ -148,15 +148,11 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         const float* lse_t = lse_s + stage * BLOCK_M;
         const float* delta_t = delta_s + stage * BLOCK_M;
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
-                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts, m0 + col,
-                                   n0 + warp * 16 + lane / 4 + 8 * (e / 2), lse_t[col],
-                                   delta_t[col], interior, mask, bias);
-            }
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior, mask,
+                                      bias, [&](int j, int e) {
+                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                          return make_float2(lse_t[col], delta_t[col]);
+                                      });
         // one product in flight at a time: its A fragments stay live until it completes
         product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
         wgmma_commit();
@@ -261,14 +257,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
         wgmma_commit();
         wgmma_wait<0>();
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts,
-                                   m0 + warp * 16 + lane / 4 + 8 * (e / 2),
-                                   n0 + 8 * j + 2 * (lane % 4) + e % 2, lse_log2[e / 2],
-                                   dl[e / 2], interior, mask, bias);
+        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask,
+                                       bias, [&](int, int e) {
+                                           return make_float2(lse_log2[e / 2], dl[e / 2]);
+                                       });
         product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
         wgmma_commit();
         wgmma_wait<0>();
@@ -482,15 +474,11 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) attention_bwd_sm90_fused(cons
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         const float* lse_t = lse_s + stage * BLOCK_M;
         const float* delta_t = delta_s + stage * BLOCK_M;
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
-                p_and_ds<HAS_MASK>(s[j][e], dp[j][e], p, consts, m0 + col,
-                                   n0 + key0 + lane / 4 + 8 * (e / 2), lse_t[col], delta_t[col],
-                                   interior, mask, bias);
-            }
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + key0, m0, lane, interior, mask,
+                                      bias, [&](int j, int e) {
+                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                          return make_float2(lse_t[col], delta_t[col]);
+                                      });
         product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
         product_rs<HEAD_DIM, BLOCK_M, T>(dk, dp, q_tile);
         wgmma_commit();

@@ -51,6 +51,82 @@ __device__ __forceinline__ void p_and_ds(A& s, A& dp, const AttnParams& p, const
     dp = allowed ? prob * (dp - delta) * dcap : A(0);
 }
 
+// p_and_ds over a warp's m16n8 accumulator tiles (the tensor-core backwards): element
+// (j, e) is row g + 8(e/2) (g = lane/4) from row0 and column 8j + 2t + e%2 (t = lane%4) from
+// col0. KEYS_ARE_ROWS: rows are keys and columns queries (S^T and dP^T of the dK/dV
+// kernels), else rows are queries (dQ). stat(j, e) gives the element's query's lse (log2
+// units) and delta. As the forward's mask_scores: softcap and the interior test are decided
+// once per tile, and a boundary tile turns the sequences and the band into two 32-bit limits
+// per row, relative to the lane's first column.
+template <bool HAS_MASK, bool KEYS_ARE_ROWS, int N8, typename BiasT, typename Stat>
+__device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8][4],
+                                              const AttnParams& p, const ScoreConsts<float>& k,
+                                              long long row0, long long col0, int lane,
+                                              bool interior, const unsigned char* mask,
+                                              const BiasT* bias, const Stat& stat) {
+    constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
+    constexpr int COLS = 8 * N8;
+    const long long c0 = col0 + 2 * (lane % 4), off = p.seqlen_k - p.seqlen_q;
+    // mask and bias strides along the accumulator's rows and columns
+    const long long m_row = KEYS_ARE_ROWS ? p.mask_s.col : p.mask_s.row;
+    const long long m_col = KEYS_ARE_ROWS ? p.mask_s.row : p.mask_s.col;
+    const long long b_row = KEYS_ARE_ROWS ? p.bias_s.col : p.bias_s.row;
+    const long long b_col = KEYS_ARE_ROWS ? p.bias_s.row : p.bias_s.col;
+    int lo[2] = {-1, -1}, hi[2] = {COLS + 1, COLS + 1};
+    const unsigned char* mask_row[2];  // the mask and bias at (row h, column c0)
+    const BiasT* bias_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = row0 + lane / 4 + 8 * h;
+        if constexpr (HAS_MASK) mask_row[h] = mask + r * m_row + c0 * m_col;
+        if constexpr (HAS_BIAS) bias_row[h] = bias + r * b_row + c0 * b_col;
+        if (interior) continue;
+        long long a = -1, z;
+        if (KEYS_ARE_ROWS) {  // key r, queries c0 + x: r + off - right <= q <= r + off + left
+            z = r < p.seqlen_k ? p.seqlen_q - c0 : -1;
+            if (p.window_right >= 0) a = r - off - p.window_right - c0;
+            if (p.window_left >= 0) z = min(z, r - off + p.window_left + 1 - c0);
+        } else {              // query r, keys c0 + x: r + off - left <= key <= r + off + right
+            z = r < p.seqlen_q ? p.seqlen_k - c0 : -1;
+            if (p.window_left >= 0) a = r + off - p.window_left - c0;
+            if (p.window_right >= 0) z = min(z, r + off + p.window_right + 1 - c0);
+        }
+        lo[h] = (int)max(-1LL, min(a, (long long)COLS + 1));
+        hi[h] = (int)max(-1LL, min(z, (long long)COLS + 1));
+    }
+    auto pass = [&](auto softcap_flag) {
+        constexpr bool SOFTCAP = decltype(softcap_flag)::value;
+#pragma unroll
+        for (int j = 0; j < N8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = 8 * j + e % 2, h = e / 2;
+                bool allowed = interior || (x >= lo[h] && x < hi[h]);
+                if constexpr (HAS_MASK)
+                    if (allowed) allowed = mask_row[h][x * m_col] != 0;
+                const float2 st = stat(j, e);  // lse (log2 units), delta
+                allowed = allowed && st.x != neg_inf<float>();
+                float y, dcap = 1.f;
+                if constexpr (SOFTCAP) {
+                    const float t = tanh_acc(s[j][e] * k.cap_over_scale);
+                    y = k.softcap * float(LOG2E) * t;
+                    dcap = 1.f - t * t;
+                } else {
+                    y = s[j][e] * k.scale_log2;
+                }
+                if constexpr (HAS_BIAS)
+                    if (allowed) y += to_acc(bias_row[h][x * b_col]) * float(LOG2E);
+                const float prob = allowed ? fast_exp2(y - st.x) : 0.f;
+                s[j][e] = prob;
+                dp[j][e] = allowed ? prob * (dp[j][e] - st.y) * dcap : 0.f;
+            }
+    };
+    if (k.softcap > 0.f)
+        pass(Bool<true>());
+    else
+        pass(Bool<false>());
+}
+
 // Does the tile [r0, r0 + rows) x [c0, c0 + cols) lie inside both sequences and inside the
 // causal/window band for every one of its elements?
 __device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long r0, int rows,

@@ -124,6 +124,7 @@ constexpr double LN2 = 0.6931471805599453;
 struct NoBias {};
 template <typename X, typename Y> constexpr bool is_same_v = false;
 template <typename X> constexpr bool is_same_v<X, X> = true;
+template <bool B> struct Bool { static constexpr bool value = B; };  // a flag as a type
 __device__ __forceinline__ float to_acc(NoBias) { return 0.f; }
 
 // ---- attention parameter block ------------------------------------------------------
