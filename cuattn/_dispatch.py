@@ -678,19 +678,17 @@ class Sm90BwdTiles:
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
 SM90_BACKWARD_TILES = (
-    (64, (Sm90BwdTiles(32, 64, 3, 3),),
-     "H200 bf16 B4 H32 S4096 D64 (session 6, tools/sweep_backward.py --sm90 64): 32-query "
-     "dK/dV tiles, both kernels capped at 3 blocks per SM, 153.6 / 131.1 TFLOP/s "
-     "(non-causal / causal); uncapped 148.7 / 130.4; 64-query 133.6 / 116.7 (run AB: "
-     "131.1 / 122.2); 128-query 128.4 / 116.3; 32-query with 128-key dQ tiles 126.1 / 111.0. "
-     "Session 9: the fused kernel (fused=True, 64-query tiles) 123.3 / 116.2 against this "
-     "row's 152.7 / 134.2 in the same run (docs/kernels.rst)"),
-    (128, (Sm90BwdTiles(32, 64),),
-     "H200 bf16 B4 H16 S4096 D128 (session 6, tools/sweep_backward.py --sm90): 32-query "
-     "dK/dV tiles 180.7 / 159.6 (242 registers, no spills); 64-query 185.3 / 169.6 in the same "
-     "run, but its plain instance spills 4 bytes (NVRTC gate); 32-query with 128-key dQ "
-     "tiles 132.9 / 120.8. Session 9: the fused kernel (fused=True, 32-query tiles) "
-     "154.7 / 140.0 against 180.3 / 155.7 in the same run"),
+    (64, (Sm90BwdTiles(64, 64, 2, 3),),
+     "H200 bf16 B4 H32 S4096 D64 (session 9, tools/sweep_backward.py --sm90, after "
+     "p_and_ds_tile): 64-query dK/dV tiles capped at 2 blocks per SM, dQ at 3, 192.5 / 166.4 "
+     "TFLOP/s (non-causal / causal); 32-query both capped at 3 (the session-6 choice) "
+     "184.1 / 161.9, uncapped 169.9 / 146.4; 128-key dQ tiles 170.1 / 149.4; the fused "
+     "kernel (fused=True, 64-query tiles) 158.3 / 145.3"),
+    (128, (Sm90BwdTiles(64, 64),),
+     "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
+     "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
+     "223.9 / 199.1, 128-key dQ tiles 182.5 / 163.5 (64-query 205.9 / 179.9); the fused "
+     "kernel (32-query tiles) 174.0 / 159.2"),
 )
 
 

@@ -188,8 +188,8 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 
 def test_backward_families_and_tiles():
     assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
-    d128 = backward(BF16, 128)                               # 32-query dK/dV tiles at D128
-    assert d128.family == "sm90" and ", 128, 128, 32, true, 1>" in d128.dkdv
+    d128 = backward(BF16, 128)                               # 64-query dK/dV tiles at D128
+    assert d128.family == "sm90" and ", 128, 128, 64, true, 1>" in d128.dkdv
     assert backward(BF16, 256).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
@@ -244,15 +244,16 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.dkdv_rows == 128 and choice.dq_rows == 64 and choice.dq_col_tile == 64
     assert choice.smem_dkdv == (128 * 128 + 3 * 64 * 128 + 64 * 128) * 2 + 3 * 2 * 64 * 4
     # the table's two kernels: one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all
-    # columns in one block (32-query tiles in dK/dV, both capped at 3 blocks per SM at D64)
+    # columns in one block (64-query tiles in dK/dV; at D64 dK/dV capped at 2 blocks per SM,
+    # dQ at 3)
     choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
-                           "cuattn::NoBias, false, 64, 64, 32, true, 3>")
+                           "cuattn::NoBias, false, 64, 64, 64, true, 2>")
     assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
                          "cuattn::NoBias, false, 64, 64, 64, true, 3>")
     assert choice.threads_dkdv == choice.threads_dq == 128
     assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 64
-    assert choice.smem_dkdv == (64 * 128 + 2 * 32 * 128) * 2 + 2 * 2 * 32 * 4
+    assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")

@@ -30,8 +30,9 @@ CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min bloc
 S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM]),
     #                   or the fused kernel's query tile (128 keys per block)
-    64: [S(64, 128, fused=True), S(32, 128, fused=True), S(32, 64, 3, 3)],
-    128: [S(32, 128, fused=True), S(32, 64)],
+    64: [S(64, 128, fused=True), S(32, 64, 3, 3), S(32, 64), S(64, 64, 2, 3),
+         S(32, 128, 3, 2)],
+    128: [S(32, 128, fused=True), S(32, 64), S(64, 64), S(32, 128), S(64, 128)],
 }
 
 
