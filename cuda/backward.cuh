@@ -173,19 +173,30 @@ __global__ void __launch_bounds__(DELTA_THREADS) attention_bwd_delta(const cuatt
     const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= bp.num_row_blocks) return;  // for this kernel: the number of rows, batch x Sq
-    const long long b = row / p.seqlen_q, i = row % p.seqlen_q;
-    const T* dout = reinterpret_cast<const T*>(bp.dout) +
-                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + i * bp.dout_s.row;
-    const T* out = reinterpret_cast<const T*>(p.out) +
-                   batch_offset(p.out_s, b, p.batch1, p.batch2) + i * p.out_s.row;
+    // row = ((b0 * batch1 + b1) * batch2 + b2) * Sq + i, split with 32-bit divisions when
+    // the numbers fit (64-bit ones are a subroutine call each, most of this kernel's time)
+    long long b0, b1, b2, i;
+    if ((bp.num_row_blocks | p.batch1 | p.batch2 | p.seqlen_q) >> 31 == 0) {
+        const unsigned r = (unsigned)row, b = r / (unsigned)p.seqlen_q, b01 = b / (unsigned)p.batch2;
+        i = r - b * (unsigned)p.seqlen_q;
+        b2 = b - b01 * (unsigned)p.batch2;
+        b0 = b01 / (unsigned)p.batch1;
+        b1 = b01 - (unsigned)b0 * (unsigned)p.batch1;
+    } else {
+        const long long b = row / p.seqlen_q, b01 = b / p.batch2;
+        i = row % p.seqlen_q;
+        b2 = b % p.batch2;
+        b0 = b01 / p.batch1;
+        b1 = b01 % p.batch1;
+    }
+    auto offset = [&](const cuattn::Strides& s) { return b0 * s.b0 + b1 * s.b1 + b2 * s.b2 + i * s.row; };
+    const T* dout = reinterpret_cast<const T*>(bp.dout) + offset(bp.dout_s);
+    const T* out = reinterpret_cast<const T*>(p.out) + offset(p.out_s);
     A sum = A(0);
     for (long long c = lane; c < p.head_dim_v; c += 32)
         sum = fma(cuattn::to_acc(dout[c * bp.dout_s.col]), cuattn::to_acc(out[c * p.out_s.col]), sum);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) {
-        A* delta = reinterpret_cast<A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-        delta[i * bp.delta_s.row] = sum;
-    }
+    if (lane == 0) reinterpret_cast<A*>(bp.delta)[offset(bp.delta_s)] = sum;
 }
 
