@@ -454,7 +454,8 @@ FUSED_SCRATCH_BYTES = 64 * 2**20
 
 
 def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
-    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels. A
+    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (or the
+    fused kernel, when the tiles ask for it, chunk by chunk of batch entries). A
     gradient of an input that was broadcast over batch axes is computed per batch entry in
     the accumulator type and summed over those axes (a deterministic CuPy reduction)."""
     cupy = call.xp
