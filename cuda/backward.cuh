@@ -1,7 +1,8 @@
 // backward.cuh -- the element-wise part of the attention backward, shared by its kernel
 // families (attention_backward_portable.cu, attention_backward_mma.cu,
 // attention_backward_sm90.cu): rebuilding P and dS from a raw score, the forward's lse and
-// delta; the interior-tile test; the gradient-tile store of the tensor-core kernels; and
+// delta (p_and_ds per element; p_and_ds_tile per m16n8 accumulator tile, the sm90 kernels);
+// the interior-tile test; the gradient-tile store of the tensor-core kernels; and
 // the first kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
 // rows, one warp per row).
 #pragma once
