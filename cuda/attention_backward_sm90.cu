@@ -58,6 +58,27 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
         for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 }
 
+// Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
+// kernel (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused): the two tiles by cp.async in
+// the Sw128<BLOCK_M> layout, lse and delta by plain loads (rows past Sq: -inf and 0).
+template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
+__device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
+                                                   float* delta_st, const T* q, const T* dout,
+                                                   const float* lse, const float* delta,
+                                                   const AttnBwdParams& bp, long long m0) {
+    const AttnParams& p = bp.f;
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_st, q + m0 * p.q_s.row, p.q_s.row, p.q_s.col,
+                                                   p.seqlen_q - m0, p.head_dim, Sw128<BLOCK_M>());
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+        do_st, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col, p.seqlen_q - m0,
+        p.head_dim_v, Sw128<BLOCK_M>());
+    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+        const long long r = m0 + i;
+        lse_st[i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        delta_st[i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+}
+
 }  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
@@ -106,20 +127,11 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
                                                      p.seqlen_k - n0, p.head_dim_v,
                                                      Sw128<BLOCK_N>());
-    // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
+    // Q, dO, lse and delta of query tile m0 into stage `st`
     auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
-                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                       p.head_dim, Sw128<BLOCK_M>());
-        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
-            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M>());
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-            const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
-                                                     : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-        }
+        request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, lse_s + st * BLOCK_M, delta_s + st * BLOCK_M,
+            q, dout, lse, delta, bp, m0);
     };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
@@ -403,18 +415,9 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) attention_bwd_sm90_fused(cons
                                                       Sw128<KEYS>());
     }
     auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
-                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                       p.head_dim, Sw128<BLOCK_M>());
-        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
-            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M>());
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-            const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
-                                                     : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-        }
+        request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, lse_s + st * BLOCK_M, delta_s + st * BLOCK_M,
+            q, dout, lse, delta, bp, m0);
     };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
