@@ -23,7 +23,8 @@ __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_
            "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
-           "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "SM90_BACKWARD_TILES",
+           "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "MMA_F32_BACKWARD_TILES",
+           "MmaF32BwdTiles", "mma_f32_backward_smem_bytes", "SM90_BACKWARD_TILES",
            "Sm90BwdTiles", "sm90_backward_smem_bytes",
            "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
@@ -505,6 +506,18 @@ BACKWARD_FAMILIES = (
     Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
            "dK, dV and dQ into 64- or 128-column tiles (registers)"),
+    Family("mma_3xtf32", "attention_backward_mma_f32.cu", (9, 0), ("float32",), 128,
+           "float32 \"highest\" on tensor cores: mma.sync m16n8k8 TF32 steps, each operand "
+           "split into a TF32 high part and a remainder, three steps per product; head dims to "
+           "128. Hopper only: the split's score errors match those of the sm90_3xtf32 forward "
+           "(the same split) and cancel in P = exp(S - lse); against the exact float32 scores "
+           "of the portable forward, which serves \"highest\" on sm_8x, the gradients "
+           "measured 1.11-1.76x the accuracy bound", precisions=("highest",),
+           archs=((9, 0),)),
+    Family("mma_f32", "attention_backward_mma_f32.cu", (8, 0), ("float32",), 128,
+           "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
+           "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
+           "accumulators)", precisions=("tf32",)),
     Family("portable", "attention_backward_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
@@ -572,6 +585,44 @@ MMA_BACKWARD_TILES = (
 
 
 @dataclass(frozen=True)
+class MmaF32BwdTiles:
+    dkdv_warps: int  # keys per dK/dV block: 16 per warp
+    block_m: int     # query tile of the dK/dV kernel
+    dq_warps: int    # query rows per dQ block: 16 per warp
+    block_n: int     # key tile of the dQ kernel
+    dkdv_min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
+    dq_min_blocks: int = 1
+    separate: bool = False  # dK and dV by separate blocks (registers of "highest" at D128)
+
+
+F = MmaF32BwdTiles
+#: mma_3xtf32 ("highest") and mma_f32 ("tf32") backward: (precision, largest head dim,
+#: candidate tiles, reason). A call takes the first row of its precision whose head dim it
+#: meets, then the first candidate that fits.
+#: Head dims are padded to a multiple of 64 inside the kernels.
+MMA_F32_BACKWARD_TILES = (
+    ("highest", 64, (F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3)),
+     "H200 fp32 B4 H32 S4096 D64, tools/sweep_backward.py --f32 highest (session 10): "
+     "32-query dK/dV and 32-key dQ tiles, capped at 2 and 3 blocks per SM, 36.7 / 35.1 "
+     "TFLOP/s (non-causal / causal); uncapped 36.8 / 35.1; 16-query dK/dV 34.1 / 32.9; dK "
+     "and dV in separate blocks 32.5 / 30.3; 16-key tiles 30.0 / 28.2"),
+    ("highest", 128, (F(4, 16, 4, 16, 2, 2, separate=True),),
+     "H200 fp32 B4 H16 S4096 D128 (same sweep): dK, dV and the fresh per-tile sums of both "
+     "need more than 255 registers (16-query tiles spill 64 bytes), so dK and dV run in "
+     "separate blocks, the dV blocks recomputing S^T: 25.3 / 23.9; the spilling one-block "
+     "form measured 28.8 / 28.4; 32-query separate 22.7 / 21.1, 8 warps 24.3 / 22.9"),
+    ("tf32", 64, (F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3)),
+     "H200 fp32 D64, tools/sweep_backward.py --f32 tf32: 66.0 / 61.2; uncapped 65.4 / 60.9; "
+     "16-query dK/dV 57.7 / 54.7; separate 53.6 / 48.0"),
+    ("tf32", 128, (F(4, 16, 4, 16, 2, 2),),
+     "H200 fp32 D128: 16-query dK/dV and 16-key dQ tiles at 2 blocks per SM 50.3 / 50.3 "
+     "(204 registers, no spills without the split); 32-key dQ 46.8 / 46.3; separate blocks "
+     "39.9 / 38.0"),
+)
+del F
+
+
+@dataclass(frozen=True)
 class BackwardChoice:
     family: str
     filename: str
@@ -590,6 +641,8 @@ class BackwardChoice:
     # dkdv is one kernel that also writes dQ (dq is None): dQ of each query tile of dq_rows
     # rows is summed over the key blocks in key order through a float scratch
     fused: bool = False
+    # 2: the dK/dV grid has two column tiles, dV blocks and dK blocks (mma_f32 "separate")
+    dkdv_roles: int = 1
 
 
 def backward_smem_bytes(tiles: BwdTiles, d_tile: int, acc_itemsize: int) -> tuple[int, int]:
@@ -606,6 +659,15 @@ def mma_backward_smem_bytes(tiles: MmaBwdTiles, hd: int, hdv: int) -> tuple[int,
     dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv)) * 2 \
         + 2 * 2 * tiles.block_m * 4
     dq = (16 * tiles.dq_warps + 2 * tiles.block_n) * (hd + hdv) * 2
+    return dkdv, dq
+
+
+def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int,
+                                hdv: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32."""
+    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv + 8)
+            + 2 * 2 * tiles.block_m) * 4
+    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * tiles.block_n * (hd + hdv + 8)) * 4
     return dkdv, dq
 
 
@@ -663,6 +725,30 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
         f"{tiles.dq_min_blocks}>",
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, cols, min(cols, hd), *smem,
         threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
+
+
+def _mma_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+                      aligned: bool, precision: str, smem_limit: int,
+                      tiles: MmaF32BwdTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for prec, max_d, c, _ in MMA_F32_BACKWARD_TILES if prec == precision and head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: mma_f32_backward_smem_bytes(t, hd, hdv),
+                             smem_limit, "mma_f32 backward",
+                             f"head dims {head_dim}, {head_dim_v}")
+    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
+    split, al = str(precision == "highest").lower(), str(aligned).lower()
+    return BackwardChoice(
+        "mma_3xtf32" if precision == "highest" else "mma_f32", "attention_backward_mma_f32.cu",
+        "attention_bwd_delta<float>",
+        f"attention_bwd_dkdv_mma_f32<{flags}, {tiles.block_m}, {tiles.dkdv_warps}, {split}, "
+        f"{str(tiles.separate).lower()}, {al}, {tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_mma_f32<{flags}, {tiles.block_n}, {tiles.dq_warps}, {split}, {al}, "
+        f"{tiles.dq_min_blocks}>",
+        16 * tiles.dkdv_warps, 16 * tiles.dq_warps, max(hd, hdv), hd, *smem,
+        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps,
+        dkdv_roles=2 if tiles.separate else 1)
 
 
 @dataclass(frozen=True)
@@ -742,7 +828,7 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     aligned = mma_aligned(call) and _aligned(dout)
     choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                               call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
-                              aligned, cc, smem_limit, forced, tiles)
+                              aligned, cc, smem_limit, forced, tiles, call.precision)
     if choice is not None:
         return choice
     raise _no_family("backward kernel family", call, cc, forced)
@@ -750,11 +836,11 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
 
 @functools.lru_cache(maxsize=1024)
 def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dtypes, aligned,
-                     cc, smem_limit, forced, tiles):
+                     cc, smem_limit, forced, tiles, precision=None):
     for family in BACKWARD_FAMILIES:
         if forced is not None and family.name != forced:
             continue
-        if not family.accepts(cc, dtype, max(head_dim, head_dim_v)):
+        if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
         if family.name == "sm90":
             return _sm90_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
@@ -762,6 +848,9 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
         if family.name == "mma":
             return _mma_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                  grad_dtypes, aligned, cc, smem_limit, tiles)
+        if family.name in ("mma_f32", "mma_3xtf32"):
+            return _mma_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                                     precision, smem_limit, tiles)
         return _portable_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                   grad_dtypes, smem_limit, tiles)
     return None
@@ -810,6 +899,9 @@ def _np_name(name: str):
     return name
 
 
+_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32")  # aligned and unaligned
+
+
 def backward_instances(arch: str):
     """Every (filename, name expression, fast) of the backward that dispatch picks on
     ``arch``, each family forced in turn, for the NVRTC gate: dtype x head-dim class x bias x
@@ -827,19 +919,20 @@ def backward_instances(arch: str):
                 for bias in (None, name, "float32"):
                     bias_dtype = bias and np.dtype(_np_name(bias))
                     for has_mask in (False, True):
-                        for grads in ((dtype, dtype), (acc, acc)):
-                            for aligned in ((True, False) if family.name in ("mma", "sm90")
-                                            else (True,)):
-                                choice = _choose_backward(dtype, head, head, bias_dtype,
-                                                          has_mask, grads, aligned, cc, limit,
-                                                          family.name, None)
-                                if choice is None:  # the family does not serve arch
+                        for grads, aligned, precision in itertools.product(
+                                ((dtype, dtype), (acc, acc)),
+                                (True, False) if family.name in _ALIGNMENT_FAMILIES else (True,),
+                                ("highest", "tf32") if name == "float32" else (None,)):
+                            choice = _choose_backward(dtype, head, head, bias_dtype,
+                                                      has_mask, grads, aligned, cc, limit,
+                                                      family.name, None, precision)
+                            if choice is None:  # the family does not serve arch
+                                continue
+                            fast = (bias is None and not has_mask and grads[0] == dtype
+                                    and aligned)
+                            for expr in (choice.delta, choice.dkdv, choice.dq):
+                                if expr is None:  # the fused kernel writes dQ too
                                     continue
-                                fast = (bias is None and not has_mask and grads[0] == dtype
-                                        and aligned)
-                                for expr in (choice.delta, choice.dkdv, choice.dq):
-                                    if expr is None:  # the fused kernel writes dQ too
-                                        continue
-                                    key = (choice.filename, expr)
-                                    seen[key] = seen.get(key, False) or fast
+                                key = (choice.filename, expr)
+                                seen[key] = seen.get(key, False) or fast
     return [(f, e, fast) for (f, e), fast in seen.items()]

@@ -296,16 +296,23 @@ def _naive_setup(q, k, v, mask, bias, kwargs):
 def naive_attention_backward(dout, q, k, v, *, mask=None, bias=None, **kwargs):
     """Gradients by the plain formula in the input dtype: the yardstick of the gradient
     accuracy rule (3 × its error). 16-bit inputs compute in float32 and round P, dP, dS and
-    the gradients to the input dtype; float32 and float64 run in their own precision."""
+    the gradients to the input dtype; float32 and float64 run in their own precision. With
+    ``precision="tf32"`` every product operand (q, k, v, P, dout, dS) is rounded to TF32."""
+    tf32 = kwargs.get("precision") == "tf32"
     call, (q, k, v), rnd, p = _naive_setup(q, k, v, mask, bias, kwargs)
     dout = _host(dout).astype(q.dtype)
     out = rnd(p @ v)
+    delta = (dout * out).sum(axis=-1, keepdims=True)
+    if tf32:
+        dout = round_tf32(dout)
     dv = np.swapaxes(p, -1, -2) @ dout
     dp = rnd(dout @ np.swapaxes(v, -1, -2))
-    ds = rnd(p * (dp - (dout * out).sum(axis=-1, keepdims=True)))
+    ds = rnd(p * (dp - delta))
     if call.softcap:
         t = np.tanh(call.scale * (q @ np.swapaxes(k, -1, -2)) / call.softcap)
         ds = rnd(ds * (1 - t * t))
+    if tf32:
+        ds = round_tf32(ds)
     dq = ds @ k * call.scale
     dk = np.swapaxes(ds, -1, -2) @ q * call.scale
     shapes = (call.q.shape, call.k.shape, call.v.shape)

@@ -58,14 +58,7 @@ namespace {
 __device__ __forceinline__ unsigned operand(float x) { return to_tf32(x); }
 __device__ __forceinline__ double operand(double x) { return x; }
 
-__device__ __forceinline__ void mma_k8(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
-                                       unsigned a3, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using cuattn::mma::mma_k8;  // the TF32 step (mma_tiles.cuh); the DMMA step follows
 __device__ __forceinline__ void mma_k8(double (&d)[4], double a0, double a1, double a2,
                                        double a3, double b0, double b1) {
 #if __CUDA_ARCH__ >= 900

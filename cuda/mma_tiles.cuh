@@ -74,6 +74,19 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     return r;
 }
 
+// One TF32 m16n8k8 step, d += a b, operands already TF32 bits: A elements (a0, a1, a2, a3)
+// = rows (g, g+8, g, g+8) and k = (t, t, t+4, t+4); B elements (b0, b1) = k (t, t+4), column
+// g; accumulators rows (g, g, g+8, g+8), columns 2t, 2t+1 (attention_mma_wide.cu,
+// attention_backward_mma_f32.cu)
+__device__ __forceinline__ void mma_k8(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // The 3xTF32 split x = hi + lo (attention_sm90_tf32.cu): hi = x rounded to TF32 as to_tf32
 // rounds it, by an integer add and mask (two instructions where cvt.rna takes four), and
 // lo = x - hi, exact. The add-and-mask alone mishandles NaN (0x7fffffff wraps to -0) and

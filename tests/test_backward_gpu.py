@@ -18,6 +18,14 @@ from cuattn.reference import attention_backward_reference, naive_attention_backw
 
 pytestmark = pytest.mark.gpu
 COMBOS = combos(BACKWARD_FAMILIES)
+#: keyword arguments a family needs to serve a call (mma_f32 serves precision="tf32" only);
+#: the same keywords go to the forward, the reference and the naive yardstick
+FAMILY_KW = {f.name: {"precision": f.precisions[0]} for f in BACKWARD_FAMILIES
+             if f.precisions and "highest" not in f.precisions}
+
+
+def _family_kw(family, dtype):
+    return FAMILY_KW.get(family, {}) if np.dtype(dtype) == np.float32 else {}
 
 
 def _poison_pool(*shapes_and_dtypes):
@@ -31,6 +39,7 @@ def _poison_pool(*shapes_and_dtypes):
 def _backward(family, dout, q, k, v, tiles=None, **kw):
     """Forward on the GPU (default dispatch), then the backward of ``family`` (with
     ``tiles`` instead of its table's when given); host arrays."""
+    kw = {**_family_kw(family, q.dtype), **kw}
     cp = _cp()
     dev = {n: cp.asarray(x) for n, x in (("q", q), ("k", k), ("v", v))}
     extra = {n: cp.asarray(kw[n]) for n in ("mask", "bias") if n in kw}
@@ -45,6 +54,7 @@ def _backward(family, dout, q, k, v, tiles=None, **kw):
 
 
 def _check(family, q, k, v, rng, tiles=None, **kw):
+    kw = {**_family_kw(family, q.dtype), **kw}
     shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]) + \
         (q.shape[-2], v.shape[-1])
     dout = rng.standard_normal(shape).astype(q.dtype)
@@ -97,6 +107,28 @@ def test_features(family, dtype, feature, sq, sk):
            _rand(rng, (2, 3, sk, 64), dtype), rng, **kw)
 
 
+#: backward families that serve float32 with precision="tf32"
+TF32_FAMILIES = [f.name for f in BACKWARD_FAMILIES if "float32" in f.dtypes
+                 and (f.precisions is None or "tf32" in f.precisions)]
+
+
+@pytest.mark.parametrize("family", TF32_FAMILIES)
+@pytest.mark.parametrize("feature", ["causal", "window", "softcap", "mask_full", "bias_f32",
+                                     "everything"])
+@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
+                                   (130, 70, 100, 100), (17, 1, 59, 59)])
+def test_tf32_precision(family, feature, shape):
+    """precision="tf32" gradients against the naive yardstick whose product operands are
+    rounded to TF32 (reference.naive_attention_backward), at 3x, on every float32 family."""
+    sq, sk, d, dv = shape
+    if max(d, dv) > next(f.max_head_dim for f in BACKWARD_FAMILIES if f.name == family):
+        pytest.skip(f"head dim beyond the {family} family")
+    rng = np.random.default_rng(sq + sk + d + list(FEATURES).index(feature))
+    kw = FEATURES[feature](rng, sq, sk)
+    _check(family, _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32),
+           _rand(rng, (2, 3, sk, dv), np.float32), rng, precision="tf32", **kw)
+
+
 @pytest.mark.parametrize("family,dtype", COMBOS)
 def test_gqa_and_broadcast_gradients_are_summed(family, dtype):
     rng = np.random.default_rng(11)
@@ -119,12 +151,13 @@ def test_strided_views(family, dtype):
     q, k, v = (x.swapaxes(-2, -3) for x in (qh, kh, vh))
     dout_h = _rand(rng, (2, 77, 3, 64), dtype)
     qd, kd, vd = (cp.asarray(x).swapaxes(-2, -3) for x in (qh, kh, vh))
-    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, causal=True)
+    kw = _family_kw(family, dtype)
+    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, causal=True, **kw)
     got = _attention_backward(cp.asarray(dout_h).swapaxes(-2, -3), qd, kd, vd, out, lse,
-                              kernel=family, causal=True)
+                              kernel=family, causal=True, **kw)
     dout = dout_h.swapaxes(-2, -3)
-    want = attention_backward_reference(dout, q, k, v, causal=True)
-    naive = naive_attention_backward(dout, q, k, v, causal=True)
+    want = attention_backward_reference(dout, q, k, v, causal=True, **kw)
+    naive = naive_attention_backward(dout, q, k, v, causal=True, **kw)
     for g, w, n in zip(got, want, naive):
         assert_accurate(g, w, n, factor=3.0)
 
@@ -135,13 +168,15 @@ def test_repeated_calls_are_bit_identical(family, dtype):
     rng = np.random.default_rng(13)
     q, k, v = (cp.asarray(_rand(rng, (2, 2, 300, 64), dtype)) for _ in range(3))
     kv = (k[:, :1], v[:, :1])  # broadcast: the reduction path too
+    kw = _family_kw(family, dtype)
     for kk, vv in ((k, v), kv):
-        out, lse = cuattn.attention(q, kk, vv, return_lse=True, causal=True)
+        out, lse = cuattn.attention(q, kk, vv, return_lse=True, causal=True, **kw)
         dout = cp.asarray(_rand(rng, out.shape, dtype))
         first = [to_host(g) for g in _attention_backward(dout, q, kk, vv, out, lse,
-                                                         kernel=family, causal=True)]
+                                                         kernel=family, causal=True, **kw)]
         for _ in range(20):
-            again = _attention_backward(dout, q, kk, vv, out, lse, kernel=family, causal=True)
+            again = _attention_backward(dout, q, kk, vv, out, lse, kernel=family, causal=True,
+                                        **kw)
             for a, b in zip(first, again):
                 assert a.tobytes() == to_host(b).tobytes()
 

@@ -19,11 +19,13 @@ def forward(dtype, head, *, gpu=H200, precision=None, forced=None, bias=None, ma
     return d._choose(dtype, head, head, bias, mask, True, cc, smem, forced, None, precision)
 
 
-def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None):
+def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None, precision=None):
     cc, smem = gpu
     grads = grads or (dtype, dtype)
+    if precision is None and dtype == F32:
+        precision = "highest"
     return d._choose_backward(dtype, head, head, None, False, grads, True, cc, smem, forced,
-                              tiles)
+                              tiles, precision)
 
 
 def test_forward_families_by_dtype_precision_and_head_dim():
@@ -199,7 +201,12 @@ def test_backward_families_and_tiles():
     assert choice.dkdv.endswith(", 32, 4, true, 3>") and choice.dq.endswith(", 32, 4, true, 3>")
     assert backward(BF16, 64, gpu=A100).dkdv.endswith(", 32, 4, true, 2>")
     assert backward(F16, 128, gpu=SM86).smem_dkdv <= SM86[1]
-    assert backward(F32, 64).family == "portable"
+    assert backward(F32, 64).family == "mma_3xtf32"       # "highest": split TF32 on Hopper
+    assert backward(F32, 256).family == "portable"         # beyond its head dims
+    assert backward(F32, 64, gpu=A100).family == "portable"  # "highest" elsewhere
+    assert backward(F32, 128, precision="tf32").family == "mma_f32"
+    assert backward(F32, 128, gpu=A100, precision="tf32").family == "mma_f32"
+    assert backward(F32, 256, precision="tf32").family == "portable"
     assert backward(F64, 1024).family == "portable"
     assert backward(F16, 512).family == "portable"
 
@@ -228,10 +235,31 @@ def test_broadcast_gradients_are_written_in_the_accumulator_type():
 
 def test_every_backward_candidate_fits_its_gpu():
     for gpu in (H200, A100, SM86):
-        for dtype in (F16, BF16, F32, F64):
+        for dtype, precision in ((F16, None), (BF16, None), (F32, "highest"), (F32, "tf32"),
+                                 (F64, None)):
             for head in (32, 64, 128, 256, 1024):
-                choice = backward(dtype, head, gpu=gpu)
+                choice = backward(dtype, head, gpu=gpu, precision=precision)
                 assert max(choice.smem_dkdv, choice.smem_dq) <= gpu[1]
+
+
+def test_mma_f32_backward_instances_and_shared_memory():
+    # "highest" at D64: one block computes dK and dV; K and V in fragment order, two
+    # stages of Q, dO (pitch D + 4), lse and delta
+    choice = backward(F32, 40)
+    assert choice.filename == "attention_backward_mma_f32.cu"
+    assert choice.dkdv == ("attention_bwd_dkdv_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, "
+                           "true, false, true, 2>")
+    assert choice.dq == ("attention_bwd_dq_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, true, "
+                         "true, 3>")
+    assert choice.delta == "attention_bwd_delta<float>" and choice.dkdv_roles == 1
+    assert choice.smem_dkdv == (64 * 128 + 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
+    assert choice.smem_dq == (64 * 128 + 2 * 32 * (128 + 8)) * 4
+    # "highest" at D128: dK and dV by separate blocks (two column tiles of the grid)
+    choice = backward(F32, 128)
+    assert choice.dkdv_roles == 2 and ", 16, 4, true, true, true, 2>" in choice.dkdv
+    # "tf32": no split, one block for both
+    choice = backward(F32, 128, precision="tf32")
+    assert choice.dkdv_roles == 1 and ", 16, 4, false, false, true, 2>" in choice.dkdv
 
 
 def test_sm90_backward_instances_and_shared_memory():

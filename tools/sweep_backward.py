@@ -3,10 +3,13 @@
     PYTHONPATH=. python tools/sweep_backward.py          # mma family
     PYTHONPATH=. python tools/sweep_backward.py --sm90   # sm90 family (Hopper wgmma)
     PYTHONPATH=. python tools/sweep_backward.py --sm90 64  # only head dim 64
+    PYTHONPATH=. python tools/sweep_backward.py --f32 highest  # mma_3xtf32 family, float32
+    PYTHONPATH=. python tools/sweep_backward.py --f32 tf32     # mma_f32 family
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
-(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES) with the measured reason. FLOPs: 2.5x the
+(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES) with the measured
+reason. bfloat16 inputs, float32 with --f32 (precision "highest" or "tf32"). FLOPs: 2.5x the
 forward's.
 """
 import math
@@ -14,7 +17,7 @@ import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaBwdTiles, Sm90BwdTiles
+from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.bench import _time
 
@@ -36,10 +39,27 @@ SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min bl
 }
 
 
+F = MmaF32BwdTiles
+F32_CANDIDATES = {  # as CANDIDATES, for the mma_f32 family (separate: dK, dV by separate blocks)
+    64: [F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3), F(4, 32, 4, 32), F(8, 16, 4, 32, 1, 3),
+         F(4, 16, 4, 32, 3, 3), F(4, 32, 4, 32, 2, 3, separate=True)],
+    128: [F(4, 32, 4, 16, 1, 2, separate=True), F(4, 16, 4, 16, 1, 2, separate=True),
+          F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 32, 1, 1), F(4, 16, 4, 16, 2, 2, separate=True),
+          F(8, 16, 4, 16, 1, 2, separate=True)],
+}
+
+
 def main():
     import cuattn
-    table, family = ((SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv
-                     else (CANDIDATES, "mma"))
+    kw, dtype = {}, "bfloat16"
+    if "--sm90" in sys.argv:
+        table, family = SM90_CANDIDATES, "sm90"
+    elif "--f32" in sys.argv:
+        kw["precision"] = "tf32" if "tf32" in sys.argv else "highest"
+        table, dtype = F32_CANDIDATES, "float32"
+        family = "mma_f32" if kw["precision"] == "tf32" else "mma_3xtf32"
+    else:
+        table, family = CANDIDATES, "mma"
     s = 4096
     print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
     heads = [int(a) for a in sys.argv[1:] if a.isdigit()]  # e.g. 64: only that head dim
@@ -47,17 +67,17 @@ def main():
         if heads and d not in heads:
             continue
         b, h = 16384 // s, 2048 // d
-        q, k, v = (cp.random.standard_normal((b, h, s, d)).astype("bfloat16") for _ in range(3))
+        q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
         for causal in (False, True):
-            out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
-            dout = cp.random.standard_normal(out.shape).astype("bfloat16")
+            out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
+            dout = cp.random.standard_normal(out.shape).astype(dtype)
             flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
             for tiles in cands:
                 label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(tiles=tiles, causal=causal, args=(dout, q, k, v, out, lse)):
                         return _attention_backward(*args, causal=causal, kernel=family,
-                                                   tiles=tiles)
+                                                   tiles=tiles, **kw)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
