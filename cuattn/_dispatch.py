@@ -593,6 +593,7 @@ class MmaF32BwdTiles:
     dkdv_min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
     dq_min_blocks: int = 1
     separate: bool = False  # dK and dV by separate blocks (registers of "highest" at D128)
+    presplit: bool = False  # streamed tiles rounded / split once in shared memory
 
 
 F = MmaF32BwdTiles
@@ -601,23 +602,25 @@ F = MmaF32BwdTiles
 #: meets, then the first candidate that fits.
 #: Head dims are padded to a multiple of 64 inside the kernels.
 MMA_F32_BACKWARD_TILES = (
-    ("highest", 64, (F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3)),
+    ("highest", 64, (F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 2, 3)),
      "H200 fp32 B4 H32 S4096 D64, tools/sweep_backward.py --f32 highest (session 10): "
-     "32-query dK/dV and 32-key dQ tiles, capped at 2 and 3 blocks per SM, 36.7 / 35.1 "
-     "TFLOP/s (non-causal / causal); uncapped 36.8 / 35.1; 16-query dK/dV 34.1 / 32.9; dK "
-     "and dV in separate blocks 32.5 / 30.3; 16-key tiles 30.0 / 28.2"),
+     "32-query dK/dV and 32-key dQ tiles capped at 2 and 3 blocks per SM, Q/dO (K/V) split "
+     "once in shared memory 37.0 / 35.4 TFLOP/s (non-causal / causal), split per use "
+     "35.9 / 34.1; 16-key dQ tiles 35.7 / 34.5; 16-query dK/dV 31.4-32.2; uncapped and "
+     "separate dK, dV blocks were slower in the first sweep (36.8 / 35.1, 32.5 / 30.3)"),
     ("highest", 128, (F(4, 16, 4, 16, 2, 2, separate=True),),
-     "H200 fp32 B4 H16 S4096 D128 (same sweep): dK, dV and the fresh per-tile sums of both "
-     "need more than 255 registers (16-query tiles spill 64 bytes), so dK and dV run in "
-     "separate blocks, the dV blocks recomputing S^T: 25.3 / 23.9; the spilling one-block "
-     "form measured 28.8 / 28.4; 32-query separate 22.7 / 21.1, 8 warps 24.3 / 22.9"),
-    ("tf32", 64, (F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3)),
-     "H200 fp32 D64, tools/sweep_backward.py --f32 tf32: 66.0 / 61.2; uncapped 65.4 / 60.9; "
-     "16-query dK/dV 57.7 / 54.7; separate 53.6 / 48.0"),
-    ("tf32", 128, (F(4, 16, 4, 16, 2, 2),),
-     "H200 fp32 D128: 16-query dK/dV and 16-key dQ tiles at 2 blocks per SM 50.3 / 50.3 "
-     "(204 registers, no spills without the split); 32-key dQ 46.8 / 46.3; separate blocks "
-     "39.9 / 38.0"),
+     "H200 fp32 B4 H16 S4096 D128 (same sweeps): dK, dV and the fresh per-tile sums of both "
+     "need more than 255 registers at 16-query tiles (64 bytes of spills), so dK and dV run "
+     "in separate blocks, the dV blocks recomputing S^T: 26.0 / 24.7; pre-split tiles fit "
+     "one block only at 8-query tiles (255 registers): 21.4 / 21.3; the spilling one-block "
+     "form measured 28.8 / 28.4"),
+    ("tf32", 64, (F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 16, 4, 16, 2, 3)),
+     "H200 fp32 D64, tools/sweep_backward.py --f32 tf32: Q/dO (K/V) rounded once in shared "
+     "memory 71.5 / 66.9, rounded per use 65.2 / 61.2; 64-key dQ 69.8 / 65.0; 16-query "
+     "dK/dV 62.4 / 58.3"),
+    ("tf32", 128, (F(4, 16, 4, 16, 2, 2, presplit=True),),
+     "H200 fp32 D128: 16-query dK/dV and 16-key dQ tiles at 2 blocks per SM, rounded once "
+     "56.6 / 54.0, per use 50.4 / 49.3; 32-key dQ 52.2 / 50.7; 32-query tiles 48.4 / 45.7"),
 )
 del F
 
@@ -662,12 +665,14 @@ def mma_backward_smem_bytes(tiles: MmaBwdTiles, hd: int, hdv: int) -> tuple[int,
     return dkdv, dq
 
 
-def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int,
-                                hdv: int) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32."""
-    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv + 8)
+def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int, hdv: int,
+                                split: bool = True) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32
+    (``split``: precision "highest", whose pre-split tiles hold a lo plane too)."""
+    parts = 2 if split and tiles.presplit else 1
+    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * parts * tiles.block_m * (hd + hdv + 8)
             + 2 * 2 * tiles.block_m) * 4
-    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * tiles.block_n * (hd + hdv + 8)) * 4
+    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * parts * tiles.block_n * (hd + hdv + 8)) * 4
     return dkdv, dq
 
 
@@ -734,18 +739,20 @@ def _mma_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
         c for prec, max_d, c, _ in MMA_F32_BACKWARD_TILES if prec == precision and head <= max_d)
-    tiles, smem = _first_fit(candidates, lambda t: mma_f32_backward_smem_bytes(t, hd, hdv),
+    split = precision == "highest"
+    tiles, smem = _first_fit(candidates,
+                             lambda t: mma_f32_backward_smem_bytes(t, hd, hdv, split),
                              smem_limit, "mma_f32 backward",
                              f"head dims {head_dim}, {head_dim_v}")
     flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
-    split, al = str(precision == "highest").lower(), str(aligned).lower()
+    sp, pre, al = (str(x).lower() for x in (split, tiles.presplit, aligned))
     return BackwardChoice(
-        "mma_3xtf32" if precision == "highest" else "mma_f32", "attention_backward_mma_f32.cu",
+        "mma_3xtf32" if split else "mma_f32", "attention_backward_mma_f32.cu",
         "attention_bwd_delta<float>",
-        f"attention_bwd_dkdv_mma_f32<{flags}, {tiles.block_m}, {tiles.dkdv_warps}, {split}, "
-        f"{str(tiles.separate).lower()}, {al}, {tiles.dkdv_min_blocks}>",
-        f"attention_bwd_dq_mma_f32<{flags}, {tiles.block_n}, {tiles.dq_warps}, {split}, {al}, "
-        f"{tiles.dq_min_blocks}>",
+        f"attention_bwd_dkdv_mma_f32<{flags}, {tiles.block_m}, {tiles.dkdv_warps}, {sp}, "
+        f"{str(tiles.separate).lower()}, {pre}, {al}, {tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_mma_f32<{flags}, {tiles.block_n}, {tiles.dq_warps}, {sp}, {pre}, "
+        f"{al}, {tiles.dq_min_blocks}>",
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, max(hd, hdv), hd, *smem,
         threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps,
         dkdv_roles=2 if tiles.separate else 1)

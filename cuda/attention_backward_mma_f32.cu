@@ -44,13 +44,17 @@
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V padded to multiples of 64 (zero-filled);
 //             the tile of the other sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS;
 //             SPLIT; SEPARATE (dK/dV only: dK and dV by different blocks, column tile 1 and
-//             0 of the grid, for the registers of "highest" at head dim 128); ALIGNED (16-byte cp.async copies of the streamed tiles: unit column
-//             strides, 16-byte row strides and pointers); MIN_BLOCKS (__launch_bounds__).
+//             0 of the grid, for the registers of "highest" at head dim 128); PRE (the
+//             streamed tiles rounded, or split into a hi and a lo plane, once in shared
+//             memory by the threads that copied them, instead of at every use); ALIGNED
+//             (16-byte cp.async copies of the streamed tiles: unit column strides, 16-byte
+//             row strides and pointers); MIN_BLOCKS (__launch_bounds__).
 //             Gradients are float32 either way (the accumulator type of float32 inputs).
-// Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
+// Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*P*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
-//             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes;
-//             cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the same numbers.
+//             + 2*P*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes, P = 2 planes with PRE and
+//             SPLIT, else 1; cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the
+//             same numbers.
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 
@@ -65,6 +69,7 @@ template <int N, bool SPLIT> struct Operand;
 template <int N> struct Operand<N, false> {
     unsigned hi[N];
     __device__ __forceinline__ void set(int i, float x) { hi[i] = to_tf32(x); }
+    __device__ __forceinline__ void take(int i, const float* x, int) { hi[i] = __float_as_uint(*x); }
 };
 template <int N> struct Operand<N, true> {
     unsigned hi[N], lo[N];
@@ -74,7 +79,47 @@ template <int N> struct Operand<N, true> {
         hi[i] = __float_as_uint(h);
         lo[i] = __float_as_uint(l);  // read truncated: rounding it measured no better
     }
+    // an element already split in shared memory: hi at x, lo `lo_at` floats further on
+    __device__ __forceinline__ void take(int i, const float* x, int lo_at) {
+        hi[i] = __float_as_uint(x[0]);
+        lo[i] = __float_as_uint(x[lo_at]);
+    }
 };
+
+// Element i of a B operand from shared memory at x: as stored (PRE: rounded or split in
+// place by presplit_own, the lo part LO floats on), or rounded / split here.
+template <bool PRE, int LO, int N, bool SPLIT>
+__device__ __forceinline__ void operand_from(Operand<N, SPLIT>& b, int i, const float* x) {
+    if constexpr (PRE)
+        b.take(i, x, LO);
+    else
+        b.set(i, *x);
+}
+
+// Round to TF32 in place (SPLIT: split, the lo parts LO floats on) the 16-byte chunks of a
+// ROWS x COLS pitched tile that this thread copied itself (for_own_chunks, mma_tiles.cuh),
+// once per tile instead of once per use by every warp.
+template <int ROWS, int COLS, int PITCH, int THREADS, bool ALIGNED, bool SPLIT, int LO>
+__device__ __forceinline__ void presplit_own(float* tile) {
+    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Pitched<PITCH>(), [&](int at) {
+        float4* c = reinterpret_cast<float4*>(tile + at);
+        const float4 x = *c;
+        float4 h, l;
+        if constexpr (SPLIT) {
+            split_tf32(x.x, h.x, l.x);
+            split_tf32(x.y, h.y, l.y);
+            split_tf32(x.z, h.z, l.z);
+            split_tf32(x.w, h.w, l.w);
+            *reinterpret_cast<float4*>(tile + at + LO) = l;
+        } else {
+            h.x = __uint_as_float(to_tf32(x.x));
+            h.y = __uint_as_float(to_tf32(x.y));
+            h.z = __uint_as_float(to_tf32(x.z));
+            h.w = __uint_as_float(to_tf32(x.w));
+        }
+        *c = h;
+    });
+}
 
 // d += a b on one m16n8k8 step; SPLIT: lo.hi + hi.lo first, then hi.hi
 template <bool SPLIT>
@@ -110,7 +155,7 @@ __device__ __forceinline__ void load_fragments(float* dst, const float* src,
 // hi.lo) accumulate in registers of their own and join hi.hi in float32 at the end, so
 // the large accumulator takes one truncating step per k8 instead of three (measured: worst
 // gradient error 1.55x the accuracy bound with all three in one accumulator, 0.61x apart).
-template <int K_DIM, int N, int PITCH, bool SPLIT>
+template <int K_DIM, int N, int PITCH, bool SPLIT, bool PRE, int LO>
 __device__ __forceinline__ void scores_f32(float (&s)[N / 8][4], const float4* a_frag,
                                            const float* b_lane) {
     float sm[SPLIT ? N / 8 : 1][4];  // SPLIT: the small terms, summed apart
@@ -129,8 +174,8 @@ __device__ __forceinline__ void scores_f32(float (&s)[N / 8][4], const float4* a
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
             Operand<2, SPLIT> b;
-            b.set(0, b_lane[8 * j * PITCH + 8 * ks]);
-            b.set(1, b_lane[8 * j * PITCH + 8 * ks + 4]);
+            operand_from<PRE, LO>(b, 0, b_lane + 8 * j * PITCH + 8 * ks);
+            operand_from<PRE, LO>(b, 1, b_lane + 8 * j * PITCH + 8 * ks + 4);
             if constexpr (SPLIT) {
                 mma_k8(sm[j], a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
                 mma_k8(sm[j], a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
@@ -151,7 +196,7 @@ __device__ __forceinline__ void scores_f32(float (&s)[N / 8][4], const float4* a
 // the N rows of Z (plain tile, b_lane = tile + 2t*PITCH + g): lane t's slots are P's columns
 // 2t, 2t+1 of each 8-column tile and Z's rows 8j + 2t, 8j + 2t + 1. SPLIT: each output
 // column tile sums this tile's steps in fresh registers, then adds them to O in float32.
-template <int N, int COLS, int PITCH, bool SPLIT>
+template <int N, int COLS, int PITCH, bool SPLIT, bool PRE, int LO>
 __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const float (&pm)[N / 8][4],
                                                const float* b_lane) {
     Operand<4, SPLIT> a[N / 8];  // register order: rows g, g+8 at column 2t, then 2t + 1
@@ -169,8 +214,8 @@ __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const fl
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
             Operand<2, SPLIT> b;
-            b.set(0, b_lane[8 * j * PITCH + 8 * d]);
-            b.set(1, b_lane[(8 * j + 1) * PITCH + 8 * d]);
+            operand_from<PRE, LO>(b, 0, b_lane + 8 * j * PITCH + 8 * d);
+            operand_from<PRE, LO>(b, 1, b_lane + (8 * j + 1) * PITCH + 8 * d);
             step(acc, a[j], b);
         }
         if constexpr (SPLIT)
@@ -182,7 +227,7 @@ __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const fl
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M,
-          int NUM_WARPS, bool SPLIT, bool SEPARATE, bool ALIGNED, int MIN_BLOCKS>
+          int NUM_WARPS, bool SPLIT, bool SEPARATE, bool PRE, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attention_bwd_dkdv_mma_f32(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
@@ -190,14 +235,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_M % 8 == 0,
                   "head dims are padded to multiples of 64, query tiles to multiples of 8");
     constexpr int Q_ELEMS = BLOCK_M * QP, DO_ELEMS = BLOCK_M * DOP;
+    constexpr int PARTS = PRE && SPLIT ? 2 : 1;  // a stage's hi (and lo) planes
+    constexpr int Q_STAGE = PARTS * Q_ELEMS, DO_STAGE = PARTS * DO_ELEMS;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* k_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_N x HEAD_DIM
     float* v_f = k_f + BLOCK_N * HEAD_DIM;            // fragment order, BLOCK_N x HEAD_DIM_V
-    float* q_s = v_f + BLOCK_N * HEAD_DIM_V;          // [2][BLOCK_M][QP]
-    float* do_s = q_s + 2 * Q_ELEMS;                  // [2][BLOCK_M][DOP]
-    float* lse_s = do_s + 2 * DO_ELEMS;               // [2][BLOCK_M], log2 units
+    float* q_s = v_f + BLOCK_N * HEAD_DIM_V;          // [2][PARTS][BLOCK_M][QP]
+    float* do_s = q_s + 2 * Q_STAGE;                  // [2][PARTS][BLOCK_M][DOP]
+    float* lse_s = do_s + 2 * DO_STAGE;               // [2][BLOCK_M], log2 units
     float* delta_s = lse_s + 2 * BLOCK_M;             // [2][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -224,11 +271,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
     auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_STAGE, q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Pitched<QP>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            do_s + st * DO_STAGE, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Pitched<DOP>());
         for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
             const long long r = m0 + i;
@@ -237,12 +284,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
             delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
         }
     };
+    // PRE: round or split the Q and dO chunks this thread copied into stage `st`, once
+    // they have landed (the barrier after makes them visible)
+    auto presplit_q = [&](int st) {
+        if constexpr (PRE) {
+            cp_async_wait<0>();
+            presplit_own<BLOCK_M, HEAD_DIM, QP, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + st * Q_STAGE);
+            presplit_own<BLOCK_M, HEAD_DIM_V, DOP, THREADS, ALIGNED, SPLIT, DO_ELEMS>(
+                do_s + st * DO_STAGE);
+        }
+    };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
     load_fragments<BLOCK_N, HEAD_DIM, THREADS>(k_f, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                p.head_dim);
     load_fragments<BLOCK_N, HEAD_DIM_V, THREADS>(v_f, v, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                  p.head_dim_v);
+    if (m_lo < m_hi) presplit_q(0);
 
     const float4* k_w = reinterpret_cast<const float4*>(k_f) + warp * (HEAD_DIM / 8) * 32 + lane;
     const float4* v_w = reinterpret_cast<const float4*>(v_f) + warp * (HEAD_DIM_V / 8) * 32 + lane;
@@ -268,16 +326,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
         int stage = 0;
         for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
-            if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
+            const bool more = m0 + BLOCK_M < m_hi;
+            if (more) request_q(m0 + BLOCK_M, stage ^ 1);
             cp_async_commit();
-            cp_async_wait<1>();  // all but the group just issued have landed ...
-            __syncthreads();     // ... for every thread: K, V (first time), this query tile
-            const float* q_t = q_s + stage * Q_ELEMS;
-            const float* do_t = do_s + stage * DO_ELEMS;
+            if constexpr (!PRE) cp_async_wait<1>();  // all but the group just issued have
+                                                     // landed (PRE: this tile did earlier) ...
+            __syncthreads();  // ... for every thread: K, V (first time), this query tile
+            const float* q_t = q_s + stage * Q_STAGE;
+            const float* do_t = do_s + stage * DO_STAGE;
             float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
-            scores_f32<HEAD_DIM, BLOCK_M, QP, SPLIT>(s, k_w, q_t + g * QP + t);
+            scores_f32<HEAD_DIM, BLOCK_M, QP, SPLIT, PRE, Q_ELEMS>(s, k_w, q_t + g * QP + t);
             if constexpr (WANT_DK) {
-                scores_f32<HEAD_DIM_V, BLOCK_M, DOP, SPLIT>(dp, v_w, do_t + g * DOP + t);
+                scores_f32<HEAD_DIM_V, BLOCK_M, DOP, SPLIT, PRE, DO_ELEMS>(dp, v_w,
+                                                                          do_t + g * DOP + t);
             } else {
 #pragma unroll
                 for (int j = 0; j < BLOCK_M / 8; ++j)
@@ -293,9 +354,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                               return make_float2(lse_t[col], delta_t[col]);
                                           });
             if constexpr (WANT_DV)
-                accumulate_f32<BLOCK_M, HEAD_DIM_V, DOP, SPLIT>(dv, s, do_t + 2 * t * DOP + g);
+                accumulate_f32<BLOCK_M, HEAD_DIM_V, DOP, SPLIT, PRE, DO_ELEMS>(
+                    dv, s, do_t + 2 * t * DOP + g);
             if constexpr (WANT_DK)
-                accumulate_f32<BLOCK_M, HEAD_DIM, QP, SPLIT>(dk, dp, q_t + 2 * t * QP + g);
+                accumulate_f32<BLOCK_M, HEAD_DIM, QP, SPLIT, PRE, Q_ELEMS>(
+                    dk, dp, q_t + 2 * t * QP + g);
+            if (more) presplit_q(stage ^ 1);
             __syncthreads();  // this stage is consumed before the next iteration refills it
         }
         cp_async_wait<0>();  // no copy may outlive the block
@@ -321,7 +385,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, bool SPLIT, bool ALIGNED, int MIN_BLOCKS>
+          int NUM_WARPS, bool SPLIT, bool PRE, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attention_bwd_dq_mma_f32(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
@@ -329,13 +393,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 8 == 0,
                   "head dims are padded to multiples of 64, key tiles to multiples of 8");
     constexpr int K_ELEMS = BLOCK_N * KP, V_ELEMS = BLOCK_N * VP;
+    constexpr int PARTS = PRE && SPLIT ? 2 : 1;  // a stage's hi (and lo) planes
+    constexpr int K_STAGE = PARTS * K_ELEMS, V_STAGE = PARTS * V_ELEMS;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* q_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_M x HEAD_DIM
     float* do_f = q_f + BLOCK_M * HEAD_DIM;           // fragment order, BLOCK_M x HEAD_DIM_V
-    float* k_s = do_f + BLOCK_M * HEAD_DIM_V;         // [2][BLOCK_N][KP]
-    float* v_s = k_s + 2 * K_ELEMS;                   // [2][BLOCK_N][VP]
+    float* k_s = do_f + BLOCK_M * HEAD_DIM_V;         // [2][PARTS][BLOCK_N][KP]
+    float* v_s = k_s + 2 * K_STAGE;                   // [2][PARTS][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -361,12 +427,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_STAGE, k + n0 * p.k_s.row,
                                                        p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                        p.head_dim, Pitched<KP>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_STAGE, v + n0 * p.v_s.row,
                                                          p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                          p.head_dim_v, Pitched<VP>());
+    };
+    // PRE: round or split the K and V chunks this thread copied into stage `st`
+    auto presplit_kv = [&](int st) {
+        if constexpr (PRE) {
+            cp_async_wait<0>();
+            presplit_own<BLOCK_N, HEAD_DIM, KP, THREADS, ALIGNED, SPLIT, K_ELEMS>(k_s + st * K_STAGE);
+            presplit_own<BLOCK_N, HEAD_DIM_V, VP, THREADS, ALIGNED, SPLIT, V_ELEMS>(
+                v_s + st * V_STAGE);
+        }
     };
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
@@ -374,6 +449,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                                p.head_dim);
     load_fragments<BLOCK_M, HEAD_DIM_V, THREADS>(do_f, dout, bp.dout_s.row, bp.dout_s.col,
                                                  p.seqlen_q - m0, p.head_dim_v);
+    if (n_lo < n_hi) presplit_kv(0);
 
     // this lane's two rows (g and g + 8 of the warp's 16)
     float lse_log2[2], dl[2];
@@ -395,21 +471,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
-        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+        const bool more = n0 + BLOCK_N < n_hi;
+        if (more) request_kv(n0 + BLOCK_N, stage ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
+        if constexpr (!PRE) cp_async_wait<1>();  // (PRE: this tile landed earlier)
         __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
-        const float* k_t = k_s + stage * K_ELEMS;
-        const float* v_t = v_s + stage * V_ELEMS;
+        const float* k_t = k_s + stage * K_STAGE;
+        const float* v_t = v_s + stage * V_STAGE;
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        scores_f32<HEAD_DIM, BLOCK_N, KP, SPLIT>(s, q_w, k_t + g * KP + t);
-        scores_f32<HEAD_DIM_V, BLOCK_N, VP, SPLIT>(dp, do_w, v_t + g * VP + t);
+        scores_f32<HEAD_DIM, BLOCK_N, KP, SPLIT, PRE, K_ELEMS>(s, q_w, k_t + g * KP + t);
+        scores_f32<HEAD_DIM_V, BLOCK_N, VP, SPLIT, PRE, V_ELEMS>(dp, do_w, v_t + g * VP + t);
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask,
                                        bias, [&](int, int e) {
                                            return make_float2(lse_log2[e / 2], dl[e / 2]);
                                        });
-        accumulate_f32<BLOCK_N, HEAD_DIM, KP, SPLIT>(dq, dp, k_t + 2 * t * KP + g);
+        accumulate_f32<BLOCK_N, HEAD_DIM, KP, SPLIT, PRE, K_ELEMS>(dq, dp, k_t + 2 * t * KP + g);
+        if (more) presplit_kv(stage ^ 1);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();

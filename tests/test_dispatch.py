@@ -244,22 +244,23 @@ def test_every_backward_candidate_fits_its_gpu():
 
 def test_mma_f32_backward_instances_and_shared_memory():
     # "highest" at D64: one block computes dK and dV; K and V in fragment order, two
-    # stages of Q, dO (pitch D + 4), lse and delta
+    # stages of Q, dO (pitch D + 4), each split once into hi and lo planes, lse and delta
     choice = backward(F32, 40)
     assert choice.filename == "attention_backward_mma_f32.cu"
     assert choice.dkdv == ("attention_bwd_dkdv_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, "
-                           "true, false, true, 2>")
+                           "true, false, true, true, 2>")
     assert choice.dq == ("attention_bwd_dq_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, true, "
-                         "true, 3>")
+                         "true, true, 3>")
     assert choice.delta == "attention_bwd_delta<float>" and choice.dkdv_roles == 1
-    assert choice.smem_dkdv == (64 * 128 + 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
-    assert choice.smem_dq == (64 * 128 + 2 * 32 * (128 + 8)) * 4
+    assert choice.smem_dkdv == (64 * 128 + 2 * 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
+    assert choice.smem_dq == (64 * 128 + 2 * 2 * 32 * (128 + 8)) * 4
     # "highest" at D128: dK and dV by separate blocks (two column tiles of the grid)
     choice = backward(F32, 128)
-    assert choice.dkdv_roles == 2 and ", 16, 4, true, true, true, 2>" in choice.dkdv
-    # "tf32": no split, one block for both
+    assert choice.dkdv_roles == 2 and ", 16, 4, true, true, false, true, 2>" in choice.dkdv
+    # "tf32": no split, one block for both, tiles rounded in place (no lo plane)
     choice = backward(F32, 128, precision="tf32")
-    assert choice.dkdv_roles == 1 and ", 16, 4, false, false, true, 2>" in choice.dkdv
+    assert choice.dkdv_roles == 1 and ", 16, 4, false, false, true, true, 2>" in choice.dkdv
+    assert choice.smem_dq == (64 * 256 + 2 * 16 * (256 + 8)) * 4
 
 
 def test_sm90_backward_instances_and_shared_memory():

@@ -40,12 +40,21 @@ SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min bl
 
 
 F = MmaF32BwdTiles
-F32_CANDIDATES = {  # as CANDIDATES, for the mma_f32 family (separate: dK, dV by separate blocks)
-    64: [F(4, 32, 4, 32, 2, 3), F(4, 16, 4, 16, 2, 3), F(4, 32, 4, 32), F(8, 16, 4, 32, 1, 3),
-         F(4, 16, 4, 32, 3, 3), F(4, 32, 4, 32, 2, 3, separate=True)],
-    128: [F(4, 32, 4, 16, 1, 2, separate=True), F(4, 16, 4, 16, 1, 2, separate=True),
-          F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 32, 1, 1), F(4, 16, 4, 16, 2, 2, separate=True),
-          F(8, 16, 4, 16, 1, 2, separate=True)],
+F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f32 families
+    "highest": {
+        64: [F(4, 32, 4, 32, 2, 3), F(4, 32, 4, 32, 2, 3, presplit=True),
+             F(4, 32, 4, 16, 2, 3, presplit=True), F(4, 16, 4, 16, 2, 3, presplit=True),
+             F(4, 16, 4, 32, 2, 2, presplit=True)],
+        128: [F(4, 16, 4, 16, 2, 2, separate=True), F(4, 8, 4, 8, 2, 2, presplit=True),
+              F(4, 8, 4, 8, 2, 2, separate=True, presplit=True),
+              F(4, 8, 4, 16, 2, 1, presplit=True), F(4, 16, 4, 8, 2, 2, separate=True)],
+    },
+    "tf32": {
+        64: [F(4, 32, 4, 32, 2, 3), F(4, 32, 4, 32, 2, 3, presplit=True),
+             F(4, 16, 4, 32, 3, 3, presplit=True), F(4, 32, 4, 64, 2, 2, presplit=True)],
+        128: [F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, presplit=True),
+              F(4, 32, 4, 32, 1, 1, presplit=True), F(4, 16, 4, 32, 2, 1, presplit=True)],
+    },
 }
 
 
@@ -56,7 +65,7 @@ def main():
         table, family = SM90_CANDIDATES, "sm90"
     elif "--f32" in sys.argv:
         kw["precision"] = "tf32" if "tf32" in sys.argv else "highest"
-        table, dtype = F32_CANDIDATES, "float32"
+        table, dtype = F32_CANDIDATES[kw["precision"]], "float32"
         family = "mma_f32" if kw["precision"] == "tf32" else "mma_3xtf32"
     else:
         table, family = CANDIDATES, "mma"
