@@ -511,8 +511,9 @@ BACKWARD_FAMILIES = (
            "split into a TF32 high part and a remainder, three steps per product; head dims to "
            "128. Hopper only: the split's score errors match those of the sm90_3xtf32 forward "
            "(the same split) and cancel in P = exp(S - lse); against the exact float32 scores "
-           "of the portable forward, which serves \"highest\" on sm_8x, the gradients "
-           "measured 1.11-1.76x the accuracy bound", precisions=("highest",),
+           "of the portable forward, which serves \"highest\" on sm_8x, the gradients of "
+           "two variants of the split measured 1.11x and 1.76x the accuracy bound",
+           precisions=("highest",),
            archs=((9, 0),)),
     Family("mma_f32", "attention_backward_mma_f32.cu", (8, 0), ("float32",), 128,
            "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
@@ -608,12 +609,12 @@ MMA_F32_BACKWARD_TILES = (
      "once in shared memory 37.0 / 35.4 TFLOP/s (non-causal / causal), split per use "
      "35.9 / 34.1; 16-key dQ tiles 35.7 / 34.5; 16-query dK/dV 31.4-32.2; uncapped and "
      "separate dK, dV blocks were slower in the first sweep (36.8 / 35.1, 32.5 / 30.3)"),
-    ("highest", 128, (F(4, 16, 4, 16, 2, 2, separate=True),),
-     "H200 fp32 B4 H16 S4096 D128 (same sweeps): dK, dV and the fresh per-tile sums of both "
-     "need more than 255 registers at 16-query tiles (64 bytes of spills), so dK and dV run "
-     "in separate blocks, the dV blocks recomputing S^T: 26.0 / 24.7; pre-split tiles fit "
-     "one block only at 8-query tiles (255 registers): 21.4 / 21.3; the spilling one-block "
-     "form measured 28.8 / 28.4"),
+    ("highest", 128, (F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, separate=True)),
+     "H200 fp32 B4 H16 S4096 D128 (session 10 sweeps): one block for dK and dV, 16-query and "
+     "16-key tiles, 2 blocks per SM: 29.3 / 29.0 (254 registers, no spills once the per-tile "
+     "source pointers wait in shared memory; 64 bytes of spills before); dK and dV in "
+     "separate blocks (the dV blocks recompute S^T) 25.5 / 23.9; 32-key dQ 26.9 / 26.3, "
+     "8-key dQ 24.5 / 24.3; pre-split tiles fit one block only at 8-query tiles 21.4 / 21.3"),
     ("tf32", 64, (F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 16, 4, 16, 2, 3)),
      "H200 fp32 D64, tools/sweep_backward.py --f32 tf32: Q/dO (K/V) rounded once in shared "
      "memory 71.5 / 66.9, rounded per use 65.2 / 61.2; 64-key dQ 69.8 / 65.0; 16-query "

@@ -269,19 +269,31 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const Range queries = query_band(p, n0, n_last, BLOCK_M);
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
+    // SPLIT: the batch entry's q, dout, lse and delta, read once per query tile, wait in
+    // shared memory rather than in eight registers: at head dim 128 (dK and dV in one
+    // block) those registers are the ones ptxas spilled. Visible after the barrier below.
+    // ("tf32" keeps them in registers: 4 % faster at D128.)
+    __shared__ const float* sources[4];
+    const float* const own[4] = {q, dout, lse, delta};
+    if (SPLIT && threadIdx.x == 0) {
+        sources[0] = q;
+        sources[1] = dout;
+        sources[2] = lse;
+        sources[3] = delta;
+    }
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
-    auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_STAGE, q + m0 * p.q_s.row,
+    auto request_q = [&](long long m0, int st, const float* const* src) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_STAGE, src[0] + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Pitched<QP>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_STAGE, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            do_s + st * DO_STAGE, src[1] + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Pitched<DOP>());
         for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
             const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
+            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? src[2][r * p.lse_s.row] * float(LOG2E)
                                                      : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? src[3][r * bp.delta_s.row] : 0.f;
         }
     };
     // PRE: round or split the Q and dO chunks this thread copied into stage `st`, once
@@ -294,13 +306,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                 do_s + st * DO_STAGE);
         }
     };
-    if (m_lo < m_hi) request_q(m_lo, 0);
+    if (m_lo < m_hi) request_q(m_lo, 0, own);
     cp_async_commit();
     load_fragments<BLOCK_N, HEAD_DIM, THREADS>(k_f, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                p.head_dim);
     load_fragments<BLOCK_N, HEAD_DIM_V, THREADS>(v_f, v, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                  p.head_dim_v);
     if (m_lo < m_hi) presplit_q(0);
+    if constexpr (SPLIT) __syncthreads();  // `sources`
 
     const float4* k_w = reinterpret_cast<const float4*>(k_f) + warp * (HEAD_DIM / 8) * 32 + lane;
     const float4* v_w = reinterpret_cast<const float4*>(v_f) + warp * (HEAD_DIM_V / 8) * 32 + lane;
@@ -327,7 +340,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         int stage = 0;
         for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
             const bool more = m0 + BLOCK_M < m_hi;
-            if (more) request_q(m0 + BLOCK_M, stage ^ 1);
+            if (more) request_q(m0 + BLOCK_M, stage ^ 1, SPLIT ? sources : own);
             cp_async_commit();
             if constexpr (!PRE) cp_async_wait<1>();  // all but the group just issued have
                                                      // landed (PRE: this tile did earlier) ...

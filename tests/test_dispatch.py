@@ -254,8 +254,11 @@ def test_mma_f32_backward_instances_and_shared_memory():
     assert choice.delta == "attention_bwd_delta<float>" and choice.dkdv_roles == 1
     assert choice.smem_dkdv == (64 * 128 + 2 * 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
     assert choice.smem_dq == (64 * 128 + 2 * 2 * 32 * (128 + 8)) * 4
-    # "highest" at D128: dK and dV by separate blocks (two column tiles of the grid)
+    # "highest" at D128: one block for dK and dV (16-query tiles); the separate form (two
+    # column tiles of the grid: dV blocks and dK blocks) through explicit tiles
     choice = backward(F32, 128)
+    assert choice.dkdv_roles == 1 and ", 16, 4, true, false, false, true, 2>" in choice.dkdv
+    choice = backward(F32, 128, tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True))
     assert choice.dkdv_roles == 2 and ", 16, 4, true, true, false, true, 2>" in choice.dkdv
     # "tf32": no split, one block for both, tiles rounded in place (no lo plane)
     choice = backward(F32, 128, precision="tf32")

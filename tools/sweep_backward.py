@@ -42,18 +42,15 @@ SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min bl
 F = MmaF32BwdTiles
 F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f32 families
     "highest": {
-        64: [F(4, 32, 4, 32, 2, 3), F(4, 32, 4, 32, 2, 3, presplit=True),
-             F(4, 32, 4, 16, 2, 3, presplit=True), F(4, 16, 4, 16, 2, 3, presplit=True),
-             F(4, 16, 4, 32, 2, 2, presplit=True)],
-        128: [F(4, 16, 4, 16, 2, 2, separate=True), F(4, 8, 4, 8, 2, 2, presplit=True),
-              F(4, 8, 4, 8, 2, 2, separate=True, presplit=True),
-              F(4, 8, 4, 16, 2, 1, presplit=True), F(4, 16, 4, 8, 2, 2, separate=True)],
+        64: [F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 2, 3),
+             F(4, 32, 4, 16, 2, 3, presplit=True)],
+        128: [F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, separate=True),
+              F(4, 16, 4, 32, 2, 1), F(4, 16, 4, 8, 2, 2)],
     },
     "tf32": {
-        64: [F(4, 32, 4, 32, 2, 3), F(4, 32, 4, 32, 2, 3, presplit=True),
-             F(4, 16, 4, 32, 3, 3, presplit=True), F(4, 32, 4, 64, 2, 2, presplit=True)],
-        128: [F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, presplit=True),
-              F(4, 32, 4, 32, 1, 1, presplit=True), F(4, 16, 4, 32, 2, 1, presplit=True)],
+        64: [F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 3, 3, presplit=True),
+             F(4, 32, 4, 64, 2, 2, presplit=True)],
+        128: [F(4, 16, 4, 16, 2, 2, presplit=True), F(4, 16, 4, 32, 2, 1, presplit=True)],
     },
 }
 
