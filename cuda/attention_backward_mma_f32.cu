@@ -44,7 +44,8 @@
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V padded to multiples of 64 (zero-filled);
 //             the tile of the other sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS;
 //             SPLIT; SEPARATE (dK/dV only: dK and dV by different blocks, column tile 1 and
-//             0 of the grid, for the registers of "highest" at head dim 128); PRE (the
+//             0 of the grid, each with only its own accumulators; the dV blocks recompute
+//             S^T: a smaller register budget, slower where the one-block form fits); PRE (the
 //             streamed tiles rounded, or split into a hi and a lo plane, once in shared
 //             memory by the threads that copied them, instead of at every use); ALIGNED
 //             (16-byte cp.async copies of the streamed tiles: unit column strides, 16-byte
@@ -54,7 +55,8 @@
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*P*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes, P = 2 planes with PRE and
 //             SPLIT, else 1; cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the
-//             same numbers.
+//             same numbers. The dK/dV kernel adds 32 bytes of static shared memory (the
+//             source pointers of its query-tile copies).
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 
