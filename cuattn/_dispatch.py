@@ -586,14 +586,9 @@ MMA_BACKWARD_TILES = (
 
 
 @dataclass(frozen=True)
-class MmaF32BwdTiles:
-    dkdv_warps: int  # keys per dK/dV block: 16 per warp
-    block_m: int     # query tile of the dK/dV kernel
-    dq_warps: int    # query rows per dQ block: 16 per warp
-    block_n: int     # key tile of the dQ kernel
-    dkdv_min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
-    dq_min_blocks: int = 1
-    separate: bool = False  # dK and dV by separate blocks (registers of "highest" at D128)
+class MmaF32BwdTiles(MmaBwdTiles):
+    """MmaBwdTiles of the float32 backward (attention_backward_mma_f32.cu), with:"""
+    separate: bool = False  # dK and dV by separate blocks (fewer registers; S^T computed twice)
     presplit: bool = False  # streamed tiles rounded / split once in shared memory
 
 

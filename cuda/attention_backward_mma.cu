@@ -69,16 +69,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const int c0 = (int)col_tile * COLS;
     const bool has_dk = c0 < HEAD_DIM, has_dv = c0 < HEAD_DIM_V;  // block-uniform
 
-    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
-    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
-    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
-    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
-    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const T *q = in.q, *k = in.k + n0 * p.k_s.row;
+    const T *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const float *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // query rows whose band reaches keys n0 .. n_last
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
@@ -199,17 +195,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long m0 = m_block * BLOCK_M;
     const int c0 = (int)col_tile * DQ_COLS;
 
-    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
-    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
-    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
-    const T* dout = reinterpret_cast<const T*>(bp.dout) +
-                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
-    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const T *q = in.q + m0 * p.q_s.row, *k = in.k;
+    const T *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
+    const float *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // key tiles that the band reaches from rows m0 .. m_last
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;

@@ -89,38 +89,13 @@ template <int N> struct Operand<N, true> {
 };
 
 // Element i of a B operand from shared memory at x: as stored (PRE: rounded or split in
-// place by presplit_own, the lo part LO floats on), or rounded / split here.
+// place by round_own_tf32, the lo part LO floats on), or rounded / split here.
 template <bool PRE, int LO, int N, bool SPLIT>
 __device__ __forceinline__ void operand_from(Operand<N, SPLIT>& b, int i, const float* x) {
     if constexpr (PRE)
         b.take(i, x, LO);
     else
         b.set(i, *x);
-}
-
-// Round to TF32 in place (SPLIT: split, the lo parts LO floats on) the 16-byte chunks of a
-// ROWS x COLS pitched tile that this thread copied itself (for_own_chunks, mma_tiles.cuh),
-// once per tile instead of once per use by every warp.
-template <int ROWS, int COLS, int PITCH, int THREADS, bool ALIGNED, bool SPLIT, int LO>
-__device__ __forceinline__ void presplit_own(float* tile) {
-    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Pitched<PITCH>(), [&](int at) {
-        float4* c = reinterpret_cast<float4*>(tile + at);
-        const float4 x = *c;
-        float4 h, l;
-        if constexpr (SPLIT) {
-            split_tf32(x.x, h.x, l.x);
-            split_tf32(x.y, h.y, l.y);
-            split_tf32(x.z, h.z, l.z);
-            split_tf32(x.w, h.w, l.w);
-            *reinterpret_cast<float4*>(tile + at + LO) = l;
-        } else {
-            h.x = __uint_as_float(to_tf32(x.x));
-            h.y = __uint_as_float(to_tf32(x.y));
-            h.z = __uint_as_float(to_tf32(x.z));
-            h.w = __uint_as_float(to_tf32(x.w));
-        }
-        *c = h;
-    });
 }
 
 // d += a b on one m16n8k8 step; SPLIT: lo.hi + hi.lo first, then hi.hi
@@ -255,16 +230,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                          p.window_left >= 0 || p.window_right >= 0, false);
     const long long n0 = blk.row_block * BLOCK_N, b = blk.b;
 
-    const float* q = reinterpret_cast<const float*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
-    const float* k = reinterpret_cast<const float*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
-    const float* v = reinterpret_cast<const float*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
-    const float* dout = reinterpret_cast<const float*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
-    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q, *k = in.k + n0 * p.k_s.row;
+    const float *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const float *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // query rows whose band reaches keys n0 .. n_last
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
@@ -303,9 +274,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     auto presplit_q = [&](int st) {
         if constexpr (PRE) {
             cp_async_wait<0>();
-            presplit_own<BLOCK_M, HEAD_DIM, QP, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + st * Q_STAGE);
-            presplit_own<BLOCK_M, HEAD_DIM_V, DOP, THREADS, ALIGNED, SPLIT, DO_ELEMS>(
-                do_s + st * DO_STAGE);
+            round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(
+                q_s + st * Q_STAGE, Pitched<QP>());
+            round_own_tf32<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED, SPLIT, DO_ELEMS>(
+                do_s + st * DO_STAGE, Pitched<DOP>());
         }
     };
     if (m_lo < m_hi) request_q(m_lo, 0, own);
@@ -424,17 +396,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                          p.window_left >= 0 || p.window_right >= 0, true);
     const long long m0 = blk.row_block * BLOCK_M, b = blk.b;
 
-    const float* q = reinterpret_cast<const float*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
-    const float* k = reinterpret_cast<const float*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
-    const float* v = reinterpret_cast<const float*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
-    const float* dout = reinterpret_cast<const float*>(bp.dout) +
-                        batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
-    const float* lse = reinterpret_cast<const float*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const float* delta = reinterpret_cast<const float*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q + m0 * p.q_s.row, *k = in.k;
+    const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
+    const float *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // key tiles that the band reaches from rows m0 .. m_last
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
@@ -453,9 +420,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     auto presplit_kv = [&](int st) {
         if constexpr (PRE) {
             cp_async_wait<0>();
-            presplit_own<BLOCK_N, HEAD_DIM, KP, THREADS, ALIGNED, SPLIT, K_ELEMS>(k_s + st * K_STAGE);
-            presplit_own<BLOCK_N, HEAD_DIM_V, VP, THREADS, ALIGNED, SPLIT, V_ELEMS>(
-                v_s + st * V_STAGE);
+            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT, K_ELEMS>(
+                k_s + st * K_STAGE, Pitched<KP>());
+            round_own_tf32<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED, SPLIT, V_ELEMS>(
+                v_s + st * V_STAGE, Pitched<VP>());
         }
     };
     if (n_lo < n_hi) request_kv(n_lo, 0);

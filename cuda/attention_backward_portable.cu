@@ -65,16 +65,12 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
     const long long n_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long n0 = n_block * BLOCK_N, c0 = col_tile * D_TILE;
 
-    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
-    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2) + n0 * p.k_s.row;
-    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2) + n0 * p.v_s.row;
-    const T* dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
-    const A* lse = reinterpret_cast<const A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const A* delta = reinterpret_cast<const A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<T, A, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const T *q = in.q, *k = in.k + n0 * p.k_s.row;
+    const T *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const A *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // The query rows whose band reaches keys n0 .. n_last; other query tiles are skipped.
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
@@ -191,17 +187,12 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
     const long long m_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M, c0 = col_tile * D_TILE;
 
-    const T* q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) + m0 * p.q_s.row;
-    const T* k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
-    const T* v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
-    const T* dout = reinterpret_cast<const T*>(bp.dout) +
-                    batch_offset(bp.dout_s, b, p.batch1, p.batch2) + m0 * bp.dout_s.row;
-    const A* lse = reinterpret_cast<const A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-    const A* delta = reinterpret_cast<const A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
-    const unsigned char* mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
-                                             batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
-    const BiasT* bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
-                                     batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    const BackwardInputs<T, A, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const T *q = in.q + m0 * p.q_s.row, *k = in.k;
+    const T *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
+    const A *lse = in.lse, *delta = in.delta;
+    const unsigned char* mask = in.mask;
+    const BiasT* bias = in.bias;
 
     // the key tiles that the causal/window band reaches from rows m0 .. m_last
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;

@@ -51,31 +51,6 @@ using namespace cuattn::sm90;
 
 namespace {
 
-// Round to TF32 in place the chunks of ROWS rows (K, or Q) that this thread copied
-// (for_own_chunks) into a LAYOUT_ROWS-row tile; with SPLIT, the remainders x - tf32(x) go
-// LO floats further on (the lo tile, or the lo rows of the same tile).
-template <int ROWS, int LAYOUT_ROWS, int COLS, int THREADS, bool ALIGNED, bool SPLIT, int LO>
-__device__ __forceinline__ void round_own_tf32(float* tile) {
-    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(Sw128<LAYOUT_ROWS, 4>(), [&](int at) {
-        float4* c = reinterpret_cast<float4*>(tile + at);
-        const float4 x = *c;
-        float4 h, l;
-        if constexpr (SPLIT) {
-            split_tf32(x.x, h.x, l.x);
-            split_tf32(x.y, h.y, l.y);
-            split_tf32(x.z, h.z, l.z);
-            split_tf32(x.w, h.w, l.w);
-            c[LO / 4] = l;
-        } else {
-            h.x = __uint_as_float(to_tf32(x.x));
-            h.y = __uint_as_float(to_tf32(x.y));
-            h.z = __uint_as_float(to_tf32(x.z));
-            h.w = __uint_as_float(to_tf32(x.w));
-        }
-        *c = h;
-    });
-}
-
 // V^T (HEAD_DIM_V rows, keys K-contiguous at tf32_key_position) from the staged V tile
 // (BLOCK_N key rows), rounded to TF32; with SPLIT the remainders go to the lo tile that
 // follows V^T (HEAD_DIM_V * BLOCK_N floats on). A warp moves 16 keys x 8 columns per step: lane
@@ -160,7 +135,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                                                          p.head_dim_v, Sw128<BLOCK_N, 4>());
     };
     auto round_own_k = [&](float* tile) {  // lo rows BLOCK_N rows (of 32 floats) further on
-        round_own_tf32<BLOCK_N, K_ROWS, HEAD_DIM, THREADS, ALIGNED, SPLIT, BLOCK_N * 32>(tile);
+        round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT, BLOCK_N * 32>(
+            tile, Sw128<K_ROWS, 4>());
     };
     // each warpgroup's 64 rows of Q form one 64-row tile; Q and the first K tile are one
     // group, rounded to TF32 in place as soon as they land
@@ -177,7 +153,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     if (n_lo < n_hi) round_own_k(k_s);
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
-        round_own_tf32<64, 64, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + w * PARTS * Q_ELEMS);
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + w * PARTS * Q_ELEMS,
+                                                                    Sw128<64, 4>());
 
     float o[DV_TILES][4], m[2], l[2];
     m[0] = m[1] = neg_inf<float>();

@@ -11,6 +11,30 @@
 
 namespace cuattn {
 
+// The arrays of batch entry b that a backward block reads, at their first rows: q, k, v,
+// dout (storage type T), lse and delta (accumulator type A), mask and bias (null when
+// absent). The dK/dV kernels add their first key row to k and v, the dQ kernels their
+// first query row to q and dout.
+template <typename T, typename A, typename BiasT> struct BackwardInputs {
+    const T *q, *k, *v, *dout;
+    const A *lse, *delta;
+    const unsigned char* mask;
+    const BiasT* bias;
+    __device__ __forceinline__ BackwardInputs(const AttnBwdParams& bp, long long b) {
+        const AttnParams& p = bp.f;
+        q = reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2);
+        k = reinterpret_cast<const T*>(p.k) + batch_offset(p.k_s, b, p.batch1, p.batch2);
+        v = reinterpret_cast<const T*>(p.v) + batch_offset(p.v_s, b, p.batch1, p.batch2);
+        dout = reinterpret_cast<const T*>(bp.dout) + batch_offset(bp.dout_s, b, p.batch1, p.batch2);
+        lse = reinterpret_cast<const A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+        delta = reinterpret_cast<const A*>(bp.delta) + batch_offset(bp.delta_s, b, p.batch1, p.batch2);
+        mask = p.mask ? reinterpret_cast<const unsigned char*>(p.mask) +
+                            batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr;
+        bias = p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
+                            batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
+    }
+};
+
 // Constants of the score transform, in log2 units.
 template <typename A> struct ScoreConsts {
     A scale_log2, softcap, cap_over_scale;

@@ -187,6 +187,33 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// Round to TF32 in place the 16-byte chunks of a ROWS x COLS float tile (laid out by `at`)
+// that this thread copied itself (for_own_chunks), once they have landed; with SPLIT, the
+// remainders x - tf32(x) go LO floats further on (a lo tile, or lo rows of the same tile).
+// Once per tile instead of once per use (attention_sm90_tf32.cu,
+// attention_backward_mma_f32.cu).
+template <int ROWS, int COLS, int THREADS, bool ALIGNED, bool SPLIT, int LO, typename At>
+__device__ __forceinline__ void round_own_tf32(float* tile, At at) {
+    for_own_chunks<ROWS, COLS, THREADS, ALIGNED, float>(at, [&](int off) {
+        float4* c = reinterpret_cast<float4*>(tile + off);
+        const float4 x = *c;
+        float4 h, l;
+        if constexpr (SPLIT) {
+            split_tf32(x.x, h.x, l.x);
+            split_tf32(x.y, h.y, l.y);
+            split_tf32(x.z, h.z, l.z);
+            split_tf32(x.w, h.w, l.w);
+            c[LO / 4] = l;
+        } else {
+            h.x = __uint_as_float(to_tf32(x.x));
+            h.y = __uint_as_float(to_tf32(x.y));
+            h.z = __uint_as_float(to_tf32(x.z));
+            h.w = __uint_as_float(to_tf32(x.w));
+        }
+        *c = h;
+    });
+}
+
 // Byte offsets, within a swizzled tile of COLS columns, of the 16-byte chunk that this lane
 // hands to ldmatrix for row `row` and column chunks 2*ph + half (ph = 0..3). Chunk 2*kk +
 // half lies at offsets[kk % 4] + (kk / 4) * 128: the swizzle only permutes chunks inside

@@ -39,7 +39,6 @@ def _poison_pool(*shapes_and_dtypes):
 def _backward(family, dout, q, k, v, tiles=None, **kw):
     """Forward on the GPU (default dispatch), then the backward of ``family`` (with
     ``tiles`` instead of its table's when given); host arrays."""
-    kw = {**_family_kw(family, q.dtype), **kw}
     cp = _cp()
     dev = {n: cp.asarray(x) for n, x in (("q", q), ("k", k), ("v", v))}
     extra = {n: cp.asarray(kw[n]) for n in ("mask", "bias") if n in kw}
