@@ -640,7 +640,8 @@ class BackwardChoice:
     # dkdv is one kernel that also writes dQ (dq is None): dQ of each query tile of dq_rows
     # rows is summed over the key blocks in key order through a float scratch
     fused: bool = False
-    # 2: the dK/dV grid has two column tiles, dV blocks and dK blocks (mma_f32 "separate")
+    # blocks per dK/dV column tile: 2 when dK and dV run in separate blocks (mma_f32
+    # "separate", whose blocks own every column: grid column tile 0 dV, 1 dK)
     dkdv_roles: int = 1
 
 

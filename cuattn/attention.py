@@ -492,8 +492,7 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
         # (kernel, shared memory, threads, grid rows, grid column tiles, blocks)
         rows_q = inner * call.seqlen_q
         dkdv_rows = -(-call.seqlen_k // choice.dkdv_rows)
-        dkdv_cols = (2 if choice.dkdv_roles == 2
-                     else -(-max(call.head_dim, call.head_dim_v) // choice.col_tile))
+        dkdv_cols = choice.dkdv_roles * -(-max(call.head_dim, call.head_dim_v) // choice.col_tile)
         dq_rows = -(-call.seqlen_q // choice.dq_rows)
         dq_cols = -(-call.head_dim // choice.dq_col_tile)
         launches = [

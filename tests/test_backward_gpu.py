@@ -12,7 +12,7 @@ from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 import cuattn
-from cuattn._dispatch import BACKWARD_FAMILIES, Sm90BwdTiles
+from cuattn._dispatch import BACKWARD_FAMILIES, MmaF32BwdTiles, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
@@ -311,3 +311,21 @@ def test_sm90_fused_form_is_bit_identical_and_sums_broadcasts(head):
                                     tiles=FUSED_TILES[head])
         for a, b in zip(first, again):
             assert a.tobytes() == to_host(b).tobytes()
+
+
+SEPARATE_TILES = MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("head", [64, 128])
+def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
+    """The dK/dV kernel with dK and dV in separate blocks (the table's fallback at D128
+    "highest"): the grid's two column tiles, each writing one gradient."""
+    _needs_sm90()
+    sq, sk, kw = FUSED_CASES[case]
+    rng = np.random.default_rng(sq + sk + head)
+    if kw.get("mask") == "random":
+        kw = {**kw, "mask": rng.random((2, 3, sq, sk)) > 0.3}
+    _check("mma_3xtf32", _rand(rng, (2, 3, sq, head), np.float32),
+           _rand(rng, (2, 3, sk, head), np.float32), _rand(rng, (2, 3, sk, head), np.float32),
+           rng, tiles=SEPARATE_TILES, **kw)
