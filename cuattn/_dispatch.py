@@ -162,6 +162,11 @@ class KernelChoice:
     dv_tile: int
     shared_mem: int
     threads: int = THREADS
+    #: the sm90 float families: the instance that reads prepared operands (prepare is True
+    #: there), and the query length from which it is chosen (Sm90Tiles.prepare_from)
+    prepared: KernelChoice | None = None
+    prepare_from: int = 0
+    prepare: bool = False
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -266,6 +271,13 @@ class Sm90Tiles:
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
     stages: int = 2  # tile buffers: of K and V (16-bit kernel), of K (float kernel)
+    #: float kernel: from this many query rows on (0: never; under a causal or window band
+    #: half the rows count, since each key tile then serves about half the query blocks), K
+    #: and V are prepared once per call (rounded or split, V transposed: tf32_prepare_k /
+    #: tf32_prepare_vt) and the PREPARED instance copies their tiles as they are (V^T in two
+    #: stages, no staging tile): the preparation's fixed cost against the per-block
+    #: rounding and transposition it saves
+    prepare_from: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -288,14 +300,20 @@ SM90_TILES = (
 
 #: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
 SM90_TF32_TILES = (
-    (64, (Sm90Tiles(128, 128), Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
+    (64, (Sm90Tiles(128, 128, prepare_from=3072), Sm90Tiles(128, 64, prepare_from=3072),
+          Sm90Tiles(64, 64)),
      "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32): two "
      "warpgroups with 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), 64-key "
      "134.4 / 120.5, three 134.1 / 115.8, one 100.4 / 95.1; four warpgroups 153.8 / 127.0 but "
-     "capped at 128 registers they spill 164 bytes"),
-    (128, (Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
+     "capped at 128 registers they spill 164 bytes. Session 11, prepared operands, ms per "
+     "call without / with: S4096 1.781 / 1.585 (causal 1.023 / 1.084), B8 S2048 0.952 / "
+     "0.958 (causal 0.553 / 0.665), B2 S8192 3.467 / 2.894 (causal 1.837 / 1.737)"),
+    (128, (Sm90Tiles(128, 64, prepare_from=3072), Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
      "H200 fp32 tf32 D128: two warpgroups with 64-key tiles (192 KB) 166.2 / 152.1, three "
-     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2"),
+     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2. Session 11, "
+     "prepared operands, ms without / with: S4096 2.997 / 2.693 (causal 1.554 / 1.568), "
+     "B8 S2048 1.541 / 1.532 (causal 0.882 / 1.120), B2 S8192 5.722 / 4.611 (causal "
+     "2.970 / 2.687)"),
 )
 
 
@@ -306,11 +324,13 @@ SM90_3XTF32_TILES = (
      "H200 fp32 highest B4 H16 S4096 D64 (session 7, tools/sweep_tiles.py --sm90-3xtf32): two "
      "warpgroups with 64-key tiles 81.6 / 72.0 TFLOP/s (non-causal / causal), with one K "
      "stage 80.0 / 72.7, one warpgroup with one K stage (two blocks per SM) 76.5 / 73.2, "
-     "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers)"),
+     "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers). Session 11: prepared "
+     "operands (K split, V^T split once per call) 84.5 / 74.8 against 85.8 / 82.1: not used"),
     (128, (Sm90Tiles(128, 32, stages=1), Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
      "H200 fp32 highest D128: two warpgroups with 32-key tiles and one K stage (208 KB) "
      "85.6 / 83.6, one warpgroup 56.5 / 54.4 (two K stages 54.5 / 54.1); 64-key tiles do "
-     "not fit 227 KB with two warpgroups"),
+     "not fit 227 KB with two warpgroups. Session 11: prepared operands 87.2 / 79.9 against "
+     "88.9 / 87.3: not used"),
 )
 
 
@@ -321,13 +341,15 @@ def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
 
 
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
-                         split: bool = False) -> int:
+                         split: bool = False, prepared: bool = False) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
-    header): Q, tiles.stages stages of K, the V staging tile and V^T, with Q, K and V^T
-    held twice (hi and lo) when ``split``."""
+    header): Q, tiles.stages stages of K, the V staging tile and V^T (``prepared``: two
+    stages of V^T), with Q, K and V^T held twice (hi and lo) when ``split``."""
     parts = 2 if split else 1
+    # V: a staging tile and V^T, or (prepared) two stages of V^T
+    v_tiles = 2 * parts if prepared else 1 + parts
     return (tiles.block_m * head_dim * parts + tiles.stages * parts * tiles.block_n * head_dim
-            + (1 + parts) * tiles.block_n * head_dim_v) * 4
+            + v_tiles * tiles.block_n * head_dim_v) * 4
 
 
 def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
@@ -345,16 +367,25 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
                else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
     tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
                              f"head dims {head_dim}, {head_dim_v}")
-    # the 16-bit kernel takes T; the float one SPLIT ahead of its stages
-    filename, kernel, type_arg, split_arg = (
-        ("attention_sm90.cu", "attention_fwd_sm90", f"{c_type_name(call_dtype)}, ", "")
-        if family == "sm90" else
-        ("attention_sm90_tf32.cu", "attention_fwd_sm90_tf32", "", f"{str(split).lower()}, "))
-    expr = (f"{kernel}<{type_arg}{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, "
-            f"{hdv}, {tiles.block_n}, {tiles.block_m // 64}, {split_arg}{tiles.stages}, "
-            f"{str(aligned).lower()}, {tiles.min_blocks}>")
-    return KernelChoice(family, filename, expr, Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1),
-                        hd, hdv, smem, threads=tiles.num_warps * 32)
+    common = (f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}, "
+              f"{tiles.block_n}, {tiles.block_m // 64}, ")
+    tail = f"{str(aligned).lower()}, {tiles.min_blocks}>"
+    layout = Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1)
+    if family == "sm90":  # the 16-bit kernel takes T
+        expr = f"attention_fwd_sm90<{c_type_name(call_dtype)}, {common}{tiles.stages}, {tail}"
+        return KernelChoice(family, "attention_sm90.cu", expr, layout, hd, hdv, smem,
+                            threads=tiles.num_warps * 32)
+    # the float kernel: SPLIT, K stages, PREPARED
+    expr = "attention_fwd_sm90_tf32<" + common + f"{str(split).lower()}, {tiles.stages}, "
+    prepared = None
+    prepared_smem = sm90_tf32_smem_bytes(tiles, hd, hdv, split, prepared=True)
+    if tiles.prepare_from and prepared_smem <= smem_limit:
+        prepared = KernelChoice(family, "attention_sm90_tf32.cu", expr + "true, " + tail,
+                                layout, hd, hdv, prepared_smem, threads=tiles.num_warps * 32,
+                                prepare=True)
+    return KernelChoice(family, "attention_sm90_tf32.cu", expr + "false, " + tail, layout, hd,
+                        hdv, smem, threads=tiles.num_warps * 32, prepared=prepared,
+                        prepare_from=tiles.prepare_from)
 
 
 def mma_aligned(call: AttentionCall) -> bool:
@@ -468,8 +499,19 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      call.mask is not None, aligned, cc, smem_limit, forced, tiles,
                      call.precision)
     if choice is not None:
-        return choice
+        banded = call.window_left >= 0 or call.window_right >= 0
+        return with_prepared_operands(choice, call.seqlen_q, banded)
     raise _no_family("kernel family", call, cc, forced)
+
+
+def with_prepared_operands(choice: KernelChoice, seqlen_q: int, banded: bool) -> KernelChoice:
+    """The instance that reads prepared operands when the choice has one and the call has
+    enough query rows for it (Sm90Tiles.prepare_from; a causal or window band counts half
+    of them), else the choice itself."""
+    rows = seqlen_q // 2 if banded else seqlen_q
+    if choice.prepared is not None and rows >= choice.prepare_from:
+        return choice.prepared
+    return choice
 
 
 @functools.lru_cache(maxsize=1024)
@@ -891,8 +933,15 @@ def forward_instances(arch: str):
                             if choice is None:
                                 continue
                             fast = bias is None and not has_mask and aligned
-                            key = (choice.filename, choice.name_expression)
-                            seen[key] = seen.get(key, False) or fast
+                            variants = [choice]
+                            if choice.prepared is not None:  # and its preparation kernels
+                                variants.append(choice.prepared)
+                                split = str(family.name == "sm90_3xtf32").lower()
+                                for kernel in ("tf32_prepare_k", "tf32_prepare_vt"):
+                                    seen[(choice.filename, f"{kernel}<{split}>")] = True
+                            for c in variants:
+                                key = (c.filename, c.name_expression)
+                                seen[key] = seen.get(key, False) or fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 

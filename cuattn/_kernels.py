@@ -24,7 +24,8 @@ import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
            "ATTN_PARAMS_DTYPE", "attn_params", "attn_params_tail", "ATTN_BWD_PARAMS_DTYPE",
-           "pack_attn_bwd_params", "c_type_name", "require_cupy", "ForwardLaunch"]
+           "pack_attn_bwd_params", "TF32_PREP_DTYPE", "pack_tf32_prep", "c_type_name",
+           "require_cupy", "ForwardLaunch"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -254,3 +255,20 @@ def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides:
     buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides,
                                        *fused)
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
+
+
+#: The parameter block of tf32_prepare_k / tf32_prepare_vt, ``Tf32Prep`` in
+#: ``cuda/attention_sm90_tf32.cu``.
+TF32_PREP_DTYPE = np.dtype(
+    [(f, np.int64) for f in ("src", "dst", "entries", "batch1", "batch2", "rows", "cols",
+                             "src_rows", "src_cols")]
+    + [("src_s", _STRIDES_DTYPE)], align=True)
+_TF32_PREP_STRUCT = struct.Struct("<14q")
+assert _TF32_PREP_STRUCT.size == TF32_PREP_DTYPE.itemsize
+
+
+def pack_tf32_prep(fields: list[int]) -> np.void:
+    """The Tf32Prep block from its 14 integer fields in declaration order (the source's
+    five strides last)."""
+    return np.frombuffer(_TF32_PREP_STRUCT.pack(*fields), TF32_PREP_DTYPE)[0]
+

@@ -14,7 +14,13 @@ import numpy as np
 
 from . import _cpu, _dispatch
 from ._checks import AttentionCall, _cupy_or_none, check_attention, check_backward, lse_dtype
-from ._kernels import ForwardLaunch, attn_params_tail, get_kernel, pack_attn_bwd_params
+from ._kernels import (
+    ForwardLaunch,
+    attn_params_tail,
+    get_kernel,
+    pack_attn_bwd_params,
+    pack_tf32_prep,
+)
 from .reference import sum_to_shape
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
@@ -286,15 +292,17 @@ def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
     return call.q, call.k, call.v, out, lse, call.mask, call.bias
 
 
-def _forward_tensors(call: AttentionCall, out, lse):
+def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
     """The forward's seven parameter-block slots: (array, strides over batch + its two last
-    axes), in :func:`_forward_arrays` order."""
+    axes), in :func:`_forward_arrays` order. ``prepared``: the (k, v) slots' entries of
+    prepared operands (:func:`_prepare_tf32`) in place of call.k and call.v."""
     batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
     q, k, v, out, lse, mask, bias = _forward_arrays(call, out, lse)
+    kv = prepared or [(k, _broadcast_strides(k, batch + k.shape[-2:])),
+                      (v, _broadcast_strides(v, batch + v.shape[-2:]))]
     return [
         (q, _broadcast_strides(q, batch + q.shape[-2:])),
-        (k, _broadcast_strides(k, batch + k.shape[-2:])),
-        (v, _broadcast_strides(v, batch + v.shape[-2:])),
+        *kv,
         (out, _broadcast_strides(out, out.shape)),
         (lse, None if lse is None else _broadcast_strides(lse, lse.shape) + [0]),
         (mask, mask is not None and _broadcast_strides(mask, batch + sq_sk)),
@@ -333,15 +341,14 @@ def _plan_key(call: AttentionCall, device_id: int, kernel, tiles):
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
 
 
-def _forward_plan(call: AttentionCall, kernel, tiles, out, lse):
+def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
     """(launch, pointer sets): the dispatch choice and layout of a call as a
     :class:`~cuattn._kernels.ForwardLaunch`; the pointer sets are None when the batch axes
     collapse into the kernel's three (one launch, pointers straight from the arrays), else
-    the list of the launches' pointers."""
-    cc, smem_limit = _device_limits(call.q.data.device_id)
-    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
+    the list of the launches' pointers. ``prepared``: as for :func:`_forward_tensors`."""
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-    extents, strides, pointer_sets = _layout(call.batch_shape, _forward_tensors(call, out, lse))
+    extents, strides, pointer_sets = _layout(call.batch_shape,
+                                             _forward_tensors(call, out, lse, prepared))
     num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
     grid = num_m * num_dv * math.prod(extents)
@@ -432,20 +439,80 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
         return out, lse
     key = _plan_key(call, device_id, kernel, tiles)
     plan = _forward_plans.get(key)
+    stream = cupy.cuda.get_current_stream().ptr
     if plan is None:
-        plan = _forward_plan(call, kernel, tiles, out, lse)
+        cc, smem_limit = _device_limits(device_id)
+        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
+        if choice.prepare:  # operands prepared per call: a plan of this call only
+            prepared = _prepare_tf32(call, choice)
+            launch, pointer_sets = _forward_plan(call, choice, out, lse, prepared)
+            arrays = list(_forward_arrays(call, out, lse))
+            arrays[1:3] = [x for x, _ in prepared]
+            for pointers in ([[0 if x is None else x.data.ptr for x in arrays]]
+                             if pointer_sets is None else pointer_sets):
+                launch(pointers, stream)
+            return out, lse
+        plan = _forward_plan(call, choice, out, lse)
         if plan[1] is None:  # plans with a launch loop hold pointers: not kept
             if len(_forward_plans) >= _MAX_PLANS:
                 _forward_plans.clear()
             _forward_plans[key] = plan
     launch, pointer_sets = plan
-    stream = cupy.cuda.get_current_stream().ptr
     if pointer_sets is None:  # one launch: the pointers are the arrays' own
         launch([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)], stream)
     else:
         for pointers in pointer_sets:
             launch(pointers, stream)
     return out, lse
+
+
+def _prepare_tf32(call: AttentionCall, choice):
+    """K and V prepared for a PREPARED sm90 float instance (attention_sm90_tf32.cu,
+    Tf32Prep): per batch entry of k, its planes (hi, and lo for "highest") of keys x head dim
+    (rounded up to a multiple of 4); per batch entry of v, its V^T planes of head dim x keys
+    (rounded up to a multiple of 8). Returns the (k, v) parameter-slot entries: the arrays
+    and their strides over the call's batch axes + (row, column), broadcast axes 0 as for
+    the inputs themselves."""
+    cupy = call.xp
+    split = choice.family == "sm90_3xtf32"
+    parts = 2 if split else 1
+    sk, d, dv = call.seqlen_k, call.head_dim, call.head_dim_v
+    d_pad, sk_pad = -(-d // 4) * 4, -(-sk // 8) * 8
+    batch = call.batch_shape
+    entries = []
+    for name, x, rows, cols in (("k", call.k, sk, d_pad), ("vt", call.v, dv, sk_pad)):
+        own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
+        planes = cupy.empty(own + (parts, rows, cols), np.float32)
+        _launch_tf32_prep(f"tf32_prepare_{name}<{str(split).lower()}>", x, planes, rows, cols,
+                          sk, d if name == "k" else dv)
+        itemsize = planes.itemsize
+        strides = [0 if n == 1 else st // itemsize for n, st in zip(own, planes.strides)]
+        entries.append((planes, [0] * (len(batch) - len(own)) + strides + [cols, 1]))
+    return entries
+
+
+def _launch_tf32_prep(expr: str, src, planes, rows: int, cols: int, src_rows: int,
+                      src_cols: int):
+    """One tf32_prepare_k / tf32_prepare_vt launch (a loop of them when the input's batch
+    axes do not collapse into three)."""
+    own = src.shape[:-2]
+    src_strides = _broadcast_strides(src, src.shape)
+    dst_strides = _broadcast_strides(planes, planes.shape)
+    nb = len(own)
+    extents, strides, pointer_sets = _layout(
+        own, [(src, src_strides), (planes, dst_strides[:nb] + [cols, 1])])
+    count = math.prod(extents)
+    if rows * cols == 0:
+        return  # no keys: nothing to prepare
+    if expr.startswith("tf32_prepare_k"):
+        grid = (max(1, min(-(-rows * cols // 256), 4096)), min(count, 65535))
+    else:
+        grid = (-(-cols // 32) * -(-rows // 32), min(count, 65535))
+    fn = get_kernel("attention_sm90_tf32.cu", expr)
+    for pointers in pointer_sets:
+        params = pack_tf32_prep([pointers[0], pointers[1], count, extents[1], extents[2], rows,
+                                 cols, src_rows, src_cols] + strides[:5])
+        fn(grid, (256,), (params,))
 
 
 #: Largest dQ scratch of the fused backward (attention_bwd_sm90_fused): batch entries run in

@@ -127,12 +127,13 @@ __device__ __forceinline__ double running_max(double running, double x) {
 // range. Rows reach their true max within a few tiles, so later tiles skip the rescale.
 constexpr float RESCALE_SLACK = 8.f;
 
-// Online softmax over one tile for the lane's two rows (h = 0: row g, h = 1: row g + 8).
-// scale: the factor mask_scores left to apply (scale_log2, or 1).
-template <int BLOCK_N, int DV_TILES, typename A, typename Exp2>
-__device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
-                                                 A (&o)[DV_TILES][4], A scale,
-                                                 const Exp2& exp2_fn) {
+// Online softmax over one tile for the lane's two rows (h = 0: row g, h = 1: row g + 8),
+// all but the rescale of the accumulators: s becomes p = exp2(s * scale - m), l and m are
+// updated, and the result says (warp-uniformly) whether acc must still be multiplied row by
+// row by alpha. scale: the factor mask_scores left to apply (scale_log2, or 1).
+template <int BLOCK_N, typename A, typename Exp2>
+__device__ __forceinline__ bool update_row_stats(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
+                                                 A (&alpha)[2], A scale, const Exp2& exp2_fn) {
     A tile_max[2];
     bool grow = false;
 #pragma unroll
@@ -147,19 +148,15 @@ __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[
         tile_max[h] = x * scale;  // scale > 0: the max of the scaled scores
         grow |= tile_max[h] > m[h] + A(RESCALE_SLACK);
     }
-    if (__any_sync(0xffffffffu, grow)) {
+    const bool rescale = __any_sync(0xffffffffu, grow);
+    if (rescale) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const A m_new = running_max(m[h], tile_max[h]);
             const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing allowed yet
-            const A alpha = exp2_fn(m[h] - m_use);
-            l[h] *= alpha;
+            alpha[h] = exp2_fn(m[h] - m_use);
+            l[h] *= alpha[h];
             m[h] = m_new;
-#pragma unroll
-            for (int d = 0; d < DV_TILES; ++d) {
-                o[d][2 * h] *= alpha;
-                o[d][2 * h + 1] *= alpha;
-            }
         }
     }
 #pragma unroll
@@ -176,6 +173,28 @@ __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[
         // the quad's partial sums are combined once, at the end (l is per lane until then)
         l[h] += tile_sum;
     }
+    return rescale;
+}
+
+// acc row h *= alpha[h] (the rescale update_row_stats asks for)
+template <int DV_TILES, typename A>
+__device__ __forceinline__ void rescale_rows(A (&o)[DV_TILES][4], const A (&alpha)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d) {
+            o[d][2 * h] *= alpha[h];
+            o[d][2 * h + 1] *= alpha[h];
+        }
+}
+
+// The whole online-softmax step of one tile: update_row_stats, then the rescale of acc.
+template <int BLOCK_N, int DV_TILES, typename A, typename Exp2>
+__device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
+                                                 A (&o)[DV_TILES][4], A scale,
+                                                 const Exp2& exp2_fn) {
+    A alpha[2];
+    if (update_row_stats<BLOCK_N>(s, m, l, alpha, scale, exp2_fn)) rescale_rows(o, alpha);
 }
 
 // Two adjacent output elements, 2 * sizeof(T)-byte aligned: one store.

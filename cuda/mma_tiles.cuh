@@ -103,13 +103,17 @@ __device__ __forceinline__ int swizzle(int row, int col) {
     return row * COLS + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
 }
 
-// Shared-memory layouts of a copied tile: element offset of (row, col).
+// Shared-memory layouts of a copied tile: element offset of (row, col). Moving down by a
+// multiple of ROW_PERIOD rows adds that many ROW_ELEMS to the offset, whatever the column
+// (the tile copiers below turn their per-row offsets into immediates with it).
 template <int COLS> struct Swizzled {  // the 16-bit operand tiles read by ldmatrix
+    static constexpr int ROW_PERIOD = 8, ROW_ELEMS = COLS;
     __device__ __forceinline__ int operator()(int row, int col) const {
         return swizzle<COLS>(row, col);
     }
 };
 template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attention_mma_wide.cu)
+    static constexpr int ROW_PERIOD = 1, ROW_ELEMS = PITCH;
     __device__ __forceinline__ int operator()(int row, int col) const {
         return row * PITCH + col;
     }
@@ -119,7 +123,10 @@ template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attentio
 // nrows and columns >= ncols become 0. ALIGNED (unit column stride, 16-byte aligned rows,
 // ncols a multiple of a chunk, so chunks are all or nothing): 16-byte cp.async chunks, finish
 // with cp_async_wait. A thread's chunks sit in one column c, rows r0 + i * ROW_STEP: one
-// pointer step, one compare and one cp.async each, the destination an immediate offset.
+// pointer step, one compare and one cp.async each, the destination the first chunk's
+// address plus an immediate when ROW_STEP is a multiple of the layout's row period. A chunk
+// outside the tensor reads nothing (source size 0, from the tile's first address) and is
+// zero-filled.
 // Otherwise synchronous element loads.
 template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
@@ -130,18 +137,21 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
                   "whole 16-byte chunks per row, whole rows per pass of the block");
     if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
+        constexpr bool AFFINE = ROW_STEP % At::ROW_PERIOD == 0;
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
-        const bool col_ok = c < ncols;
-        const int rows = static_cast<int>(nrows < ROWS ? nrows : ROWS);
+        // this thread's chunk i lies inside the tensor iff i * ROW_STEP < lim
+        const int lim = c < ncols ? static_cast<int>(nrows < ROWS ? nrows : ROWS) - r0 : 0;
         const long long step = ROW_STEP * row_stride;
         const T* s = src + r0 * row_stride + c;
+        const unsigned d0 = smem_addr(dst + at(r0, c));
 #pragma unroll
         for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i, s += step) {
             const int r = r0 + i * ROW_STEP;
             if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
-            const bool ok = col_ok && r < rows;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                             smem_addr(dst + at(r, c))),
+            const unsigned d = AFFINE ? d0 + i * ROW_STEP * At::ROW_ELEMS * (int)sizeof(T)
+                                      : smem_addr(dst + at(r, c));
+            const bool ok = i * ROW_STEP < lim;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d),
                          "l"(ok ? s : src), "r"(ok ? 16 : 0));
         }
     } else {
@@ -167,12 +177,14 @@ __device__ __forceinline__ void for_own_chunks(At at, F f) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
     if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
+        constexpr bool AFFINE = ROW_STEP % At::ROW_PERIOD == 0;
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
+        const int off0 = at(r0, c);
 #pragma unroll
         for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
             const int r = r0 + i * ROW_STEP;
             if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
-            f(at(r, c));
+            f(AFFINE ? off0 + i * ROW_STEP * At::ROW_ELEMS : at(r, c));
         }
     } else {
 #pragma unroll 4

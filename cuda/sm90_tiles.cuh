@@ -27,6 +27,7 @@ namespace sm90 {
 template <int ROWS, int ELEM = 2> struct Sw128 {
     static_assert(ELEM == 2 || ELEM == 4, "16-bit or 32-bit elements");
     static constexpr int LOG_W = ELEM == 2 ? 6 : 5, LOG_C = LOG_W - 3, W = 1 << LOG_W;
+    static constexpr int ROW_PERIOD = 8, ROW_ELEMS = W;  // as the layouts of mma_tiles.cuh
     __device__ __forceinline__ int operator()(int row, int col) const {
         return (col >> LOG_W) * ROWS * W + row * W +
                ((((col >> LOG_C) & 7) ^ (row & 7)) << LOG_C) + (col & ((1 << LOG_C) - 1));

@@ -2,6 +2,8 @@
 
 Every family × dtype × feature, on ragged shapes, with the output poisoned (NaN) first.
 """
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from _gpu_matrix import combos, shape_params
 from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
+from cuattn import _dispatch
 from cuattn._dispatch import FAMILIES
 from cuattn.attention import _attention
 from cuattn.reference import attention_reference, naive_attention
@@ -113,6 +116,39 @@ def test_tf32_precision(family, feature, shape):
     q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
         _rand(rng, (2, 3, sk, dv), np.float32)
     _check(family, q, k, v, precision="tf32", **kw)
+
+
+#: the sm90 float families, whose instances may read K and V prepared once per call
+PREPARED_TABLES = {"sm90_tf32": _dispatch.SM90_TF32_TILES,
+                   "sm90_3xtf32": _dispatch.SM90_3XTF32_TILES}
+
+
+@pytest.mark.parametrize("family", list(PREPARED_TABLES))
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
+                                     "bias_f32", "all"])
+@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
+                                   (17, 1, 59, 59), (300, 5, 128, 64), (70, 1030, 64, 64)])
+def test_prepared_operands(family, feature, shape):
+    """The PREPARED instance (K rounded or split and V transposed once per call, by
+    tf32_prepare_k / tf32_prepare_vt) forced through the table's tiles: out and lse bit for
+    bit those of the instance that rounds and transposes per block, and accurate."""
+    cp = _cp()
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq + 3 * sk + d)
+    kw = {**FAMILY_KW.get(family, {}), **(FEATURES[feature](rng, sq, sk) if feature != "plain"
+                                          else {})}
+    q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
+        _rand(rng, (2, 3, sk, dv), np.float32)
+    tiles = next(c for max_d, c, _ in PREPARED_TABLES[family] if max(d, dv) <= max_d)[0]
+    dev = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
+    results = [_attention(*(cp.asarray(x) for x in (q, k, v)), kernel=family, return_lse=True,
+                          tiles=dataclasses.replace(tiles, prepare_from=n),
+                          **{**kw, **dev})
+               for n in (0, 1)]
+    for a, b in zip(*results):
+        assert bool(cp.array_equal(a, b, equal_nan=True))
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

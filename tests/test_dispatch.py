@@ -59,14 +59,43 @@ def test_sm90_tf32_instances_and_shared_memory():
     choice = forward(F32, 100, precision="tf32")
     assert choice.family == "sm90_tf32"
     assert choice.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, false, "
+        "true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
     assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
-    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, false, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
     assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
+    # the instance that reads K and V prepared once per call: PREPARED, two V^T stages and
+    # no staging tile
+    prepared = choice.prepared
+    assert prepared.prepare and not choice.prepare and choice.prepare_from == 3072
+    assert prepared.name_expression == choice.name_expression.replace(
+        "2, false, true, 1>", "2, true, true, 1>")
+    assert prepared.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
+    assert prepared.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128,
+                                                         prepared=True)
+
+
+def test_prepared_operands_from_enough_query_rows():
+    # the preparation's fixed cost pays from about 24 query blocks per key tile: 3072 rows,
+    # or 6144 under a band (each key tile then serves about half the query blocks)
+    choice = forward(F32, 128, precision="tf32")
+    use = d.with_prepared_operands
+    assert use(choice, 3072, False) is choice.prepared
+    assert use(choice, 3071, False) is choice
+    assert use(choice, 6144, True) is choice.prepared
+    assert use(choice, 4096, True) is choice
+    highest = forward(F32, 128)  # the split: measured slower prepared, so never
+    assert highest.prepared is None and use(highest, 10**6, False) is highest
+    split = d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 232448,
+                    d.Sm90Tiles(128, 32, stages=1, prepare_from=1))
+    assert split.prepared.shared_mem == 4 * (2 * 128 * 128 + 2 * 32 * 128 + 4 * 32 * 128)
+    # a prepared instance that does not fit is not offered (its second V^T stage: 16 KB more)
+    assert d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 220000,
+                   d.Sm90Tiles(128, 32, stages=1, prepare_from=1)).prepared is None
 
 
 def test_sm90_3xtf32_instances_and_shared_memory():
@@ -75,11 +104,12 @@ def test_sm90_3xtf32_instances_and_shared_memory():
     d128 = forward(F32, 128)
     assert d128.family == "sm90_3xtf32"
     assert d128.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, false, "
+        "true, 1>")
     assert d128.shared_mem == 4 * (2 * 128 * 128 + 1 * 2 * 32 * 128 + 3 * 32 * 128)
     assert d128.shared_mem <= 232448
     d64 = forward(F32, 64)
-    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, false, true, 1>")
     assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
     assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
 

@@ -60,16 +60,18 @@ SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks,
     ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(64, 64, 1, 3), Sm90Tiles(128, 64),
                         Sm90Tiles(128, 128), Sm90Tiles(128, 64, 1, 3)],
 }
-SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks)
-    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(64, 64), Sm90Tiles(128, 128),
-                      Sm90Tiles(192, 64), Sm90Tiles(256, 64)],
-    ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(192, 64), Sm90Tiles(192, 32),
-                       Sm90Tiles(128, 32)],
+SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks, stages,
+    # prepare_from: 1 = K and V prepared once per call)
+    ("float32", 64): [Sm90Tiles(128, 128), Sm90Tiles(128, 128, prepare_from=1),
+                      Sm90Tiles(128, 64, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
+    ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(128, 64, prepare_from=1),
+                       Sm90Tiles(128, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
 }
-SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages)
-    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64),
-                      Sm90Tiles(128, 64, 1, 1), Sm90Tiles(64, 64, 1, 1), Sm90Tiles(64, 32)],
-    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(64, 32), Sm90Tiles(64, 32, 1, 1)],
+SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages, prepare_from)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 64, prepare_from=1),
+                      Sm90Tiles(128, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
+    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(128, 32, 1, 1, prepare_from=1),
+                       Sm90Tiles(64, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
