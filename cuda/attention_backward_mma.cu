@@ -208,12 +208,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
-                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Swizzled<HEAD_DIM>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
-                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Swizzled<HEAD_DIM_V>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(), Swizzled<HEAD_DIM_V>());
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Swizzled<HEAD_DIM>());

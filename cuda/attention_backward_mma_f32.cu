@@ -409,12 +409,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_STAGE, k + n0 * p.k_s.row,
-                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Pitched<KP>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_STAGE, v + n0 * p.v_s.row,
-                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Pitched<VP>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            k_s + st * K_STAGE, v_s + st * V_STAGE, k, v, n0, p, Pitched<KP>(), Pitched<VP>());
     };
     // PRE: round or split the K and V chunks this thread copied into stage `st`
     auto presplit_kv = [&](int st) {

@@ -216,12 +216,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + st * K_ELEMS, k + n0 * p.k_s.row,
-                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<BLOCK_N>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + st * V_ELEMS, v + n0 * p.v_s.row,
-                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Sw128<BLOCK_N>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N>(), Sw128<BLOCK_N>());
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Sw128<BLOCK_M>());
