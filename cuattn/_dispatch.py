@@ -19,7 +19,8 @@ from ._checks import AttentionCall
 from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
-           "MmaTiles", "SM90_TILES", "Sm90Tiles", "SM90_TF32_TILES", "SM90_3XTF32_TILES",
+           "MmaTiles", "SM90_TILES", "Sm90Tiles", "PipedTiles", "SM90_TF32_TILES",
+           "SM90_3XTF32_TILES", "sm90_piped_smem_bytes",
            "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
@@ -271,17 +272,34 @@ class Sm90Tiles:
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
     stages: int = 2  # tile buffers: of K and V (16-bit kernel), of K (float kernel)
-    #: float kernel: from this many query rows on (0: never; under a causal or window band
-    #: half the rows count, since each key tile then serves about half the query blocks), K
-    #: and V are prepared once per call (rounded or split, V transposed: tf32_prepare_k /
-    #: tf32_prepare_vt) and the PREPARED instance copies their tiles as they are (V^T in two
-    #: stages, no staging tile): the preparation's fixed cost against the per-block
-    #: rounding and transposition it saves
+    #: float kernel, "tf32": from this many query rows on (0: never; under a causal or
+    #: window band half the rows count, since each key tile then serves about half the
+    #: query blocks) the piped instance with tiles ``piped`` serves the call: K and V^T are
+    #: prepared once per call as tile images (tf32_image_k, tf32_image_vt), which the
+    #: preparation's fixed cost must win back
     prepare_from: int = 0
+    piped: PipedTiles | None = None
 
     @property
     def num_warps(self) -> int:
         return self.block_m // 16
+
+
+@dataclass(frozen=True)
+class PipedTiles:
+    """Tiles of attention_fwd_sm90_tf32_piped: block_m query rows (two or three consumer
+    warpgroups of 64) and one producer warpgroup, block_n keys per tile, ``slots`` K/V^T
+    slots; the consumers take turns to issue their products when ``pingpong``, and hold
+    their Q as register fragments when ``qreg``."""
+    block_m: int
+    block_n: int
+    slots: int
+    pingpong: bool = True
+    qreg: bool = False
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16 + 4
 
 
 #: sm90 family: (largest head dim, candidate tiles in order of preference, measured reason).
@@ -298,22 +316,29 @@ SM90_TILES = (
 )
 
 
+#: Query rows from which the sm90_tf32 family takes its piped instance (Sm90Tiles.prepare_from),
+#: measured at B8 H16 S2048 and B4 H16 S4096 (docs/kernels.rst, twelfth session).
+PIPED_FROM_D64 = 2048
+PIPED_FROM_D128 = 2048
+
 #: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
 SM90_TF32_TILES = (
-    (64, (Sm90Tiles(128, 128, prepare_from=3072), Sm90Tiles(128, 64, prepare_from=3072),
-          Sm90Tiles(64, 64)),
+    (64, (Sm90Tiles(128, 128, prepare_from=PIPED_FROM_D64, piped=PipedTiles(192, 64, 4, qreg=True)),
+          Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
      "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32): two "
      "warpgroups with 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), 64-key "
      "134.4 / 120.5, three 134.1 / 115.8, one 100.4 / 95.1; four warpgroups 153.8 / 127.0 but "
-     "capped at 128 registers they spill 164 bytes. Session 11, prepared operands, ms per "
-     "call without / with: S4096 1.781 / 1.585 (causal 1.023 / 1.084), B8 S2048 0.952 / "
-     "0.958 (causal 0.553 / 0.665), B2 S8192 3.467 / 2.894 (causal 1.837 / 1.737)"),
-    (128, (Sm90Tiles(128, 64, prepare_from=3072), Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
+     "capped at 128 registers they spill 164 bytes. Session 12, the piped instance (ms and "
+     "TFLOP/s in docs/kernels.rst): 192 x 64 with four slots and Q in registers 198.3 / 142.4 "
+     "(128 x 128 with three slots 181.9 / 130.5), S8192 256.6 / 214.7 against 151.5 / 149.4 "
+     "per block"),
+    (128, (Sm90Tiles(128, 64, prepare_from=PIPED_FROM_D128, piped=PipedTiles(192, 32, 4)),
+           Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
      "H200 fp32 tf32 D128: two warpgroups with 64-key tiles (192 KB) 166.2 / 152.1, three "
-     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2. Session 11, "
-     "prepared operands, ms without / with: S4096 2.997 / 2.693 (causal 1.554 / 1.568), "
-     "B8 S2048 1.541 / 1.532 (causal 0.882 / 1.120), B2 S8192 5.722 / 4.611 (causal "
-     "2.970 / 2.687)"),
+     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2. Session 12, the "
+     "piped instance: 192 x 32 with four slots 230.2 / 167.7 (128 x 64 with two slots "
+     "205.0 / 149.0; 192 x 64 spills at 160 registers), S8192 281.4 / 242.4 against "
+     "188.8 / 184.6 per block"),
 )
 
 
@@ -324,12 +349,13 @@ SM90_3XTF32_TILES = (
      "H200 fp32 highest B4 H16 S4096 D64 (session 7, tools/sweep_tiles.py --sm90-3xtf32): two "
      "warpgroups with 64-key tiles 81.6 / 72.0 TFLOP/s (non-causal / causal), with one K "
      "stage 80.0 / 72.7, one warpgroup with one K stage (two blocks per SM) 76.5 / 73.2, "
-     "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers). Session 11: prepared "
-     "operands (K split, V^T split once per call) 84.5 / 74.8 against 85.8 / 82.1: not used"),
+     "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers). Session 11: K split "
+     "and V^T split once per call (planes copied by cp.async) 84.5 / 74.8 against "
+     "85.8 / 82.1: not used"),
     (128, (Sm90Tiles(128, 32, stages=1), Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
      "H200 fp32 highest D128: two warpgroups with 32-key tiles and one K stage (208 KB) "
      "85.6 / 83.6, one warpgroup 56.5 / 54.4 (two K stages 54.5 / 54.1); 64-key tiles do "
-     "not fit 227 KB with two warpgroups. Session 11: prepared operands 87.2 / 79.9 against "
+     "not fit 227 KB with two warpgroups. Session 11: split planes 87.2 / 79.9 against "
      "88.9 / 87.3: not used"),
 )
 
@@ -341,15 +367,20 @@ def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
 
 
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
-                         split: bool = False, prepared: bool = False) -> int:
+                         split: bool = False) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
-    header): Q, tiles.stages stages of K, the V staging tile and V^T (``prepared``: two
-    stages of V^T), with Q, K and V^T held twice (hi and lo) when ``split``."""
+    header): Q, tiles.stages stages of K, the V staging tile and V^T, with Q, K and V^T
+    held twice (hi and lo) when ``split``."""
     parts = 2 if split else 1
-    # V: a staging tile and V^T, or (prepared) two stages of V^T
-    v_tiles = 2 * parts if prepared else 1 + parts
     return (tiles.block_m * head_dim * parts + tiles.stages * parts * tiles.block_n * head_dim
-            + v_tiles * tiles.block_n * head_dim_v) * 4
+            + (1 + parts) * tiles.block_n * head_dim_v) * 4
+
+
+def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90_tf32_piped (see the .cu header): Q,
+    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot."""
+    return ((tiles.block_m * head_dim + tiles.slots * tiles.block_n * (head_dim + head_dim_v))
+            * 4 + 16 * tiles.slots)
 
 
 def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
@@ -375,16 +406,23 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
         expr = f"attention_fwd_sm90<{c_type_name(call_dtype)}, {common}{tiles.stages}, {tail}"
         return KernelChoice(family, "attention_sm90.cu", expr, layout, hd, hdv, smem,
                             threads=tiles.num_warps * 32)
-    # the float kernel: SPLIT, K stages, PREPARED
-    expr = "attention_fwd_sm90_tf32<" + common + f"{str(split).lower()}, {tiles.stages}, "
-    prepared = None
-    prepared_smem = sm90_tf32_smem_bytes(tiles, hd, hdv, split, prepared=True)
-    if tiles.prepare_from and prepared_smem <= smem_limit:
-        prepared = KernelChoice(family, "attention_sm90_tf32.cu", expr + "true, " + tail,
-                                layout, hd, hdv, prepared_smem, threads=tiles.num_warps * 32,
-                                prepare=True)
-    return KernelChoice(family, "attention_sm90_tf32.cu", expr + "false, " + tail, layout, hd,
-                        hdv, smem, threads=tiles.num_warps * 32, prepared=prepared,
+    # the float kernel: SPLIT, K stages; "tf32" with the piped instance for long calls
+    expr = ("attention_fwd_sm90_tf32<" + common + f"{str(split).lower()}, {tiles.stages}, "
+            + tail)
+    prepared, piped = None, tiles.piped
+    if piped is not None and tiles.prepare_from and not split:
+        piped_smem = sm90_piped_smem_bytes(piped, hd, hdv)
+        if piped_smem <= smem_limit:
+            piped_expr = (f"attention_fwd_sm90_tf32_piped<{_bias_type(bias_dtype)}, "
+                          f"{str(has_mask).lower()}, {hd}, {hdv}, {piped.block_n}, "
+                          f"{piped.block_m // 64}, {piped.slots}, "
+                          f"{str(piped.pingpong).lower()}, {str(piped.qreg).lower()}, "
+                          f"{str(aligned).lower()}>")
+            prepared = KernelChoice(family, "attention_sm90_tf32.cu", piped_expr,
+                                    Tiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv,
+                                    piped_smem, threads=piped.num_warps * 32, prepare=True)
+    return KernelChoice(family, "attention_sm90_tf32.cu", expr, layout, hd, hdv, smem,
+                        threads=tiles.num_warps * 32, prepared=prepared,
                         prepare_from=tiles.prepare_from)
 
 
@@ -936,9 +974,8 @@ def forward_instances(arch: str):
                             variants = [choice]
                             if choice.prepared is not None:  # and its preparation kernels
                                 variants.append(choice.prepared)
-                                split = str(family.name == "sm90_3xtf32").lower()
-                                for kernel in ("tf32_prepare_k", "tf32_prepare_vt"):
-                                    seen[(choice.filename, f"{kernel}<{split}>")] = True
+                                for kernel in ("tf32_image_k", "tf32_image_vt"):
+                                    seen[(choice.filename, kernel)] = True
                             for c in variants:
                                 key = (c.filename, c.name_expression)
                                 seen[key] = seen.get(key, False) or fast

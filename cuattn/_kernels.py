@@ -257,7 +257,7 @@ def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides:
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
 
 
-#: The parameter block of tf32_prepare_k / tf32_prepare_vt, ``Tf32Prep`` in
+#: The parameter block of tf32_image_k / tf32_image_vt, ``Tf32Prep`` in
 #: ``cuda/attention_sm90_tf32.cu``.
 TF32_PREP_DTYPE = np.dtype(
     [(f, np.int64) for f in ("src", "dst", "entries", "batch1", "batch2", "rows", "cols",

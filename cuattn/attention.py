@@ -467,47 +467,45 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
 
 
 def _prepare_tf32(call: AttentionCall, choice):
-    """K and V prepared for a PREPARED sm90 float instance (attention_sm90_tf32.cu,
-    Tf32Prep): per batch entry of k, its planes (hi, and lo for "highest") of keys x head dim
-    (rounded up to a multiple of 4); per batch entry of v, its V^T planes of head dim x keys
-    (rounded up to a multiple of 8). Returns the (k, v) parameter-slot entries: the arrays
-    and their strides over the call's batch axes + (row, column), broadcast axes 0 as for
-    the inputs themselves."""
+    """K and V prepared for the piped sm90_tf32 instance (attention_sm90_tf32.cu,
+    attention_fwd_sm90_tf32_piped): per batch entry of k, its tile images (tf32_image_k:
+    each tile of block_n keys rounded to TF32 in the shared-memory layout), per batch entry
+    of v its V^T tile images (tf32_image_vt). Returns the (k, v) parameter-slot entries: the
+    arrays and their strides over the call's batch axes + (tile, element), broadcast axes 0
+    as for the inputs themselves."""
     cupy = call.xp
-    split = choice.family == "sm90_3xtf32"
-    parts = 2 if split else 1
-    sk, d, dv = call.seqlen_k, call.head_dim, call.head_dim_v
-    d_pad, sk_pad = -(-d // 4) * 4, -(-sk // 8) * 8
-    batch = call.batch_shape
+    sk, bn = call.seqlen_k, choice.tiles.block_n
+    tiles = -(-sk // bn)
     entries = []
-    for name, x, rows, cols in (("k", call.k, sk, d_pad), ("vt", call.v, dv, sk_pad)):
+    for name, x, cols, src_cols in (("k", call.k, choice.d_tile, call.head_dim),
+                                    ("vt", call.v, choice.dv_tile, call.head_dim_v)):
         own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
-        planes = cupy.empty(own + (parts, rows, cols), np.float32)
-        _launch_tf32_prep(f"tf32_prepare_{name}<{str(split).lower()}>", x, planes, rows, cols,
-                          sk, d if name == "k" else dv)
-        itemsize = planes.itemsize
-        strides = [0 if n == 1 else st // itemsize for n, st in zip(own, planes.strides)]
-        entries.append((planes, [0] * (len(batch) - len(own)) + strides + [cols, 1]))
+        images = cupy.empty(own + (tiles, bn * cols), np.float32)
+        _launch_tf32_prep(f"tf32_image_{name}", x, images, bn, cols, sk, src_cols)
+        strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
+        entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
+                        + [bn * cols, 1]))
     return entries
 
 
-def _launch_tf32_prep(expr: str, src, planes, rows: int, cols: int, src_rows: int,
+def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: int,
                       src_cols: int):
-    """One tf32_prepare_k / tf32_prepare_vt launch (a loop of them when the input's batch
-    axes do not collapse into three)."""
+    """One tf32_image_k / tf32_image_vt launch (a loop of them when the input's batch axes
+    do not collapse into three): ``rows`` keys per tile, ``cols`` the padded head dim."""
     own = src.shape[:-2]
     src_strides = _broadcast_strides(src, src.shape)
-    dst_strides = _broadcast_strides(planes, planes.shape)
+    dst_strides = _broadcast_strides(images, images.shape)
     nb = len(own)
     extents, strides, pointer_sets = _layout(
-        own, [(src, src_strides), (planes, dst_strides[:nb] + [cols, 1])])
+        own, [(src, src_strides), (images, dst_strides[:nb] + [rows * cols, 1])])
     count = math.prod(extents)
-    if rows * cols == 0:
+    if src_rows == 0:
         return  # no keys: nothing to prepare
-    if expr.startswith("tf32_prepare_k"):
-        grid = (max(1, min(-(-rows * cols // 256), 4096)), min(count, 65535))
-    else:
-        grid = (-(-cols // 32) * -(-rows // 32), min(count, 65535))
+    key_tiles = -(-src_rows // rows)
+    if expr == "tf32_image_k":  # one thread per image element
+        grid = (max(1, min(-(-key_tiles * rows * cols // 256), 4096)), min(count, 65535))
+    else:  # one block per 32 keys x 32 columns
+        grid = (key_tiles * rows // 32 * (cols // 32), min(count, 65535))
     fn = get_kernel("attention_sm90_tf32.cu", expr)
     for pointers in pointer_sets:
         params = pack_tf32_prep([pointers[0], pointers[1], count, extents[1], extents[2], rows,

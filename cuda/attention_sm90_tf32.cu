@@ -35,19 +35,15 @@
 //             restoring them (wrong results; docs/kernels.rst).
 //             With K_STAGES = 1 (the split's D128 tiles, for shared memory) the next K tile
 //             is requested as soon as every warpgroup's S product has read the current one.
-//             PREPARED: k and v are the planes that tf32_prepare_k and tf32_prepare_vt
-//             (below) made once per call: K already rounded (or split), V already
-//             transposed (and rounded or split), so tiles of K and of V^T arrive by cp.async
-//             as they are, V^T into two stages, with one barrier per tile and neither the
-//             rounding pass nor the transpose (bit for bit the same results).
-// Shared mem: (BLOCK_M*HEAD_DIM*P + K_STAGES*P*BLOCK_N*HEAD_DIM + V*BLOCK_N*HEAD_DIM_V)
-//             * 4 bytes with P = 2 parts (hi, lo) when SPLIT, else 1, and V = 1 + P (the V
-//             staging tile and V^T) or, PREPARED, 2P (two stages of V^T): Q, K_STAGES stages
-//             of K and V, every tile in the 128-byte-swizzle layout of wgmma
-//             (sm90_tiles.cuh) with 32-float column groups, each lo part right after its hi
-//             part. cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
+//             Long "tf32" calls take the piped instance at the end of this file instead: K
+//             and V^T prepared once per call, the tiles brought by the copy engine.
+// Shared mem: (BLOCK_M*HEAD_DIM*P + K_STAGES*P*BLOCK_N*HEAD_DIM + (1+P)*BLOCK_N*HEAD_DIM_V)
+//             * 4 bytes with P = 2 parts (hi, lo) when SPLIT, else 1: Q, K_STAGES stages of
+//             K, the V staging tile and V^T, every tile in the 128-byte-swizzle layout of
+//             wgmma (sm90_tiles.cuh) with 32-float column groups, each lo part right after
+//             its hi part. cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
-//             64 or 128); NUM_WG; SPLIT; K_STAGES (1 or 2); PREPARED; ALIGNED; MIN_BLOCKS.
+//             64 or 128); NUM_WG; SPLIT; K_STAGES (1 or 2); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
 #include "sm90_tiles.cuh"
 
@@ -114,85 +110,8 @@ __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
 
 }  // namespace
 
-// The operands prepared once per call for PREPARED instances (tf32_prepare_k,
-// tf32_prepare_vt below; cuattn/attention.py launches them): per batch entry of k (of v),
-// PARTS planes (hi, then lo with SPLIT) of `rows` x `cols` floats, row-major and contiguous.
-// K: rows = keys, cols = the head dim rounded up to a multiple of 4 (zeros past it), each
-// value as the kernel's own round_own_tf32 would leave it. V^T: rows = the value head dim,
-// cols = keys rounded up to a multiple of 8 (zeros past them) at tf32_key_position, each
-// value as transpose_v would write it. So a PREPARED instance computes bit for bit what the
-// other instance computes, without the per-block rounding pass over K and transpose of V.
-struct Tf32Prep {
-    long long src, dst;            // device addresses: the input (k or v), the planes
-    long long entries;             // batch entries of the input
-    long long batch1, batch2;      // extents of its batch axes 1 and 2 (axis 0 is implied)
-    long long rows, cols;          // of one plane
-    long long src_rows, src_cols;  // of the input: keys and head dim
-    Strides src_s;
-};
-
-template <bool SPLIT>
-__device__ __forceinline__ void put_tf32(float* dst, long long plane, float x) {
-    if constexpr (SPLIT) {
-        float hi, lo;
-        split_tf32(x, hi, lo);
-        dst[0] = hi;
-        dst[plane] = lo;
-    } else {
-        dst[0] = __uint_as_float(to_tf32(x));
-    }
-}
-
-// K: one thread per output element; block rows y take batch entries y, y + gridDim.y, ...
-template <bool SPLIT>
-__global__ void __launch_bounds__(256) tf32_prepare_k(const Tf32Prep p) {
-    const long long plane = p.rows * p.cols;
-    for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
-        const float* src = reinterpret_cast<const float*>(p.src) +
-                           batch_offset(p.src_s, b, p.batch1, p.batch2);
-        float* dst = reinterpret_cast<float*>(p.dst) + b * (SPLIT ? 2 : 1) * plane;
-        for (long long i = blockIdx.x * 256LL + threadIdx.x; i < plane; i += 256LL * gridDim.x) {
-            const long long r = i / p.cols, c = i % p.cols;
-            put_tf32<SPLIT>(dst + i, plane,
-                            c < p.src_cols ? src[r * p.src_s.row + c * p.src_s.col] : 0.f);
-        }
-    }
-}
-
-// V^T: a block transposes 32 keys x 32 columns at a time through shared memory (coalesced
-// reads along the head dim, coalesced writes along the keys); blockIdx.x picks the tile,
-// block rows y take batch entries y, y + gridDim.y, ...
-template <bool SPLIT>
-__global__ void __launch_bounds__(256) tf32_prepare_vt(const Tf32Prep p) {
-    __shared__ float tile[32][33];
-    const long long key_tiles = (p.cols + 31) / 32;
-    const long long n0 = (blockIdx.x % key_tiles) * 32, d0 = (blockIdx.x / key_tiles) * 32;
-    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-    const long long plane = p.rows * p.cols;
-    for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
-        const float* src = reinterpret_cast<const float*>(p.src) +
-                           batch_offset(p.src_s, b, p.batch1, p.batch2);
-        __syncthreads();  // the previous entry's tile is read
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const long long n = n0 + ty + 8 * i, d = d0 + tx;
-            tile[ty + 8 * i][tx] =
-                n < p.src_rows && d < p.src_cols ? src[n * p.src_s.row + d * p.src_s.col] : 0.f;
-        }
-        __syncthreads();
-        float* dst = reinterpret_cast<float*>(p.dst) + b * (SPLIT ? 2 : 1) * plane;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const long long d = d0 + ty + 8 * i, n = n0 + tx;
-            if (d < p.rows && n < p.cols)
-                put_tf32<SPLIT>(dst + d * p.cols + tf32_key_position((int)n), plane,
-                                tile[tx][ty + 8 * i]);
-        }
-    }
-}
-
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
-          bool SPLIT, int K_STAGES, bool PREPARED, bool ALIGNED, int MIN_BLOCKS>
+          bool SPLIT, int K_STAGES, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     attention_fwd_sm90_tf32(const AttnParams p) {
     constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -205,19 +124,15 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     // a K stage is one tile of K_ROWS rows: with SPLIT the lo rows follow the hi rows, so
     // that Q_hi [K_hi; K_lo]^T is one product
     constexpr int K_ROWS = PARTS * BLOCK_N;
-    // PREPARED: V^T tiles arrive as they are, into two stages; otherwise V arrives into a
-    // staging tile and is transposed into one V^T tile
-    constexpr int VT_STAGES = PREPARED ? 2 : 1;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][PARTS][64 x HEAD_DIM]
     float* k_s = q_s + NUM_WG * PARTS * Q_ELEMS;      // [K_STAGES][K_ROWS x HEAD_DIM]
     float* v_s = k_s + K_STAGES * PARTS * K_ELEMS;    // [BLOCK_N x HEAD_DIM_V], as stored
-    float* vt_s = v_s + (PREPARED ? 0 : V_ELEMS);     // [VT_STAGES][PARTS][HEAD_DIM_V x BLOCK_N]
+    float* vt_s = v_s + V_ELEMS;                      // [PARTS][HEAD_DIM_V x BLOCK_N]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-    // this block's rows and batch entry, heaviest query blocks first (common.cuh); PREPARED:
-    // k and v are the planes of tf32_prepare_k and tf32_prepare_vt
+    // this block's rows and batch entry, heaviest query blocks first (common.cuh)
     const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);
     const long long b = blk.b, m0 = blk.m0;
     const float *q = blk.q, *k = blk.k, *v = blk.v;
@@ -236,25 +151,11 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(dst, k + n0 * p.k_s.row, p.k_s.row,
                                                        p.k_s.col, p.seqlen_k - n0,
                                                        p.head_dim, Sw128<K_ROWS, 4>());
-        if constexpr (PREPARED && SPLIT)  // the lo plane, into the lo rows
-            load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(
-                dst + BLOCK_N * 32, k + (p.seqlen_k + n0) * p.k_s.row, p.k_s.row, p.k_s.col,
-                p.seqlen_k - n0, p.head_dim, Sw128<K_ROWS, 4>());
     };
     auto request_v = [&](int n0) {  // into the staging tile
         load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
                                                          p.v_s.col, p.seqlen_k - n0,
                                                          p.head_dim_v, Sw128<BLOCK_N, 4>());
-    };
-    // PREPARED: V^T (rows: the head dim; columns: keys, padded to a multiple of 8)
-    const int keys_pad = (seqlen_k + 7) / 8 * 8;
-    auto request_vt = [&](int n0, int stage) {
-#pragma unroll
-        for (int part = 0; part < PARTS; ++part)
-            load_tile<HEAD_DIM_V, BLOCK_N, THREADS, ALIGNED>(
-                vt_s + (stage * PARTS + part) * V_ELEMS,
-                v + part * p.head_dim_v * p.v_s.row + n0 * p.v_s.col, p.v_s.row, p.v_s.col,
-                p.head_dim_v, keys_pad - n0, Sw128<HEAD_DIM_V, 4>());
     };
     auto round_own_k = [&](float* tile) {  // lo rows BLOCK_N rows (of 32 floats) further on
         round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT, BLOCK_N * 32>(
@@ -269,15 +170,10 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                                                   p.head_dim, Sw128<64, 4>());
     if (n_lo < n_hi) request_k(n_lo, 0);
     cp_async_commit();
-    if (n_lo < n_hi) {
-        if constexpr (PREPARED)
-            request_vt(n_lo, 0);
-        else
-            request_v(n_lo);
-    }
+    if (n_lo < n_hi) request_v(n_lo);
     cp_async_commit();
     cp_async_wait<1>();
-    if (!PREPARED && n_lo < n_hi) round_own_k(k_s);
+    if (n_lo < n_hi) round_own_k(k_s);
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
         round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + w * PARTS * Q_ELEMS,
@@ -298,30 +194,15 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     constexpr unsigned Q_LO = Q_ELEMS * 4, VT_LO = V_ELEMS * 4;
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
-    int stage = 0, vt_stage = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % K_STAGES,
-             vt_stage = (vt_stage + 1) % VT_STAGES) {
+    int stage = 0;
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % K_STAGES) {
         const bool more = n0 + BLOCK_N < n_hi;
         const int next = (stage + 1) % K_STAGES;
-        if constexpr (PREPARED) {
-            // one barrier per tile: this tile's K and V^T have landed, every thread is past
-            // the previous tile (its S and P V have read the other stages), which the next
-            // tile's copies may then overwrite
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
-            if (more) {
-                request_vt(n0 + BLOCK_N, vt_stage ^ 1);
-                if (K_STAGES == 2) request_k(n0 + BLOCK_N, next);
-            }
-            cp_async_commit();
-        } else {
-            if (K_STAGES == 2 && more) request_k(n0 + BLOCK_N, next);
-            cp_async_commit();    // (empty with one K stage)
-            cp_async_wait<1>();   // all but the group just committed have landed ...
-            fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
-            __syncthreads();      // ... for every thread: this K tile and the staged V tile
-        }
+        if (K_STAGES == 2 && more) request_k(n0 + BLOCK_N, next);
+        cp_async_commit();    // (empty with one K stage)
+        cp_async_wait<1>();   // all but the group just committed have landed ...
+        fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
+        __syncthreads();      // ... for every thread: this K tile and the staged V tile
 
         // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs. SPLIT:
         // [Q_hi K_hi^T | Q_hi K_lo^T] by one product, Q_lo K_hi^T by another, each term in
@@ -337,7 +218,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
             product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile);
         }
         wgmma_commit();
-        if constexpr (!PREPARED) transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
+        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
         wgmma_wait<0>();
         if constexpr (SPLIT) {
 #pragma unroll
@@ -357,16 +238,14 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 
-        if constexpr (!PREPARED) {
-            fence_proxy_async();  // V^T, written by every thread, visible to the tensor cores
-            __syncthreads();      // ... and the staging buffer free for the next V tile
-            if (more) request_v(n0 + BLOCK_N);
-            cp_async_commit();
-        }
+        fence_proxy_async();  // V^T, written by every thread, visible to the tensor cores
+        __syncthreads();      // ... and the staging buffer free for the next V tile
+        if (more) request_v(n0 + BLOCK_N);
+        cp_async_commit();
 
         // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order.
         // SPLIT: this tile's P V in fresh accumulators, the small terms first, then added
-        const unsigned vt_tile = vt_base + vt_stage * PARTS * V_ELEMS * 4;
+        const unsigned vt_tile = vt_base;
         unsigned p_frag[BLOCK_N / 8][4], p_lo[SPLIT ? BLOCK_N / 8 : 1][4];
         float pv[SPLIT ? DV_TILES : 1][4];  // read by the tensor cores until the wait below
         if constexpr (SPLIT) {
@@ -379,7 +258,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
             product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_tile, true);
         }
         wgmma_commit();
-        if (!PREPARED && more) {  // while it runs: round the next K tile (landed: only V is younger)
+        if (more) {  // while it runs: round the next K tile (landed: only V is younger)
             cp_async_wait<1>();
             round_own_k(k_s + next * K_ROWS * HEAD_DIM);
         }
@@ -392,11 +271,272 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         }
         // no barrier here: V^T is rewritten only after the next iteration's first barrier,
         // which every thread reaches after its own P V, and the K stage refilled next was
-        // read by the S before this iteration's second barrier (PREPARED: the stages of K
-        // and V^T that the copies of the tile after next refill are this tile's, refilled
-        // only after the next iteration's barrier)
+        // read by the S before this iteration's second barrier
     }
     cp_async_wait<0>();  // no copy may outlive the block
+
+    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+}
+
+// ---------------------------------------------------------------------------------------
+// The piped instance (precision="tf32" with prepared operands): K and V^T arrive as tile
+// images, each one bulk copy by the copy engine, and the two warpgroups meet at no block
+// barrier inside the loop.
+//
+// Images (tf32_image_k, tf32_image_vt below; cuattn/attention.py launches them once per
+// call): per batch entry of k (of v) and per tile of BLOCK_N keys, the tile exactly as the
+// kernel wants it in shared memory: K rounded to TF32 in the 128-byte-swizzle layout of a
+// BLOCK_N-row tile of HEAD_DIM columns, V^T rounded, keys at tf32_key_position, in that
+// layout for a HEAD_DIM_V-row tile of BLOCK_N columns; zeros past the keys and head dims.
+// Tf32Prep: rows = BLOCK_N, cols = HEAD_DIM (or HEAD_DIM_V), src_rows = keys.
+
+// The parameter block of tf32_image_k and tf32_image_vt (cuattn/_kernels.py::TF32_PREP_DTYPE).
+struct Tf32Prep {
+    long long src, dst;            // device addresses: the input (k or v), the images
+    long long entries;             // batch entries of the input
+    long long batch1, batch2;      // extents of its batch axes 1 and 2 (axis 0 is implied)
+    long long rows, cols;          // keys per tile (BLOCK_N), the padded head dim
+    long long src_rows, src_cols;  // of the input: keys and head dim
+    Strides src_s;
+};
+
+// Element offset of (row, col) in a `rows`-row float tile in the 128-byte-swizzle layout
+// (Sw128<rows, 4>, with rows known at run time).
+__device__ __forceinline__ long long sw128_f32(long long rows, int row, int col) {
+    return (col >> 5) * rows * 32 + row * 32 + ((((col >> 2) & 7) ^ (row & 7)) << 2) + (col & 3);
+}
+
+// K images: one thread per image element (consecutive threads write consecutive floats and
+// read one 128-byte row segment per 32); block rows y take batch entries y, y + gridDim.y, ...
+__global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
+    const long long tile = p.rows * p.cols, tiles = (p.src_rows + p.rows - 1) / p.rows;
+    for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
+        const float* src = reinterpret_cast<const float*>(p.src) +
+                           batch_offset(p.src_s, b, p.batch1, p.batch2);
+        float* dst = reinterpret_cast<float*>(p.dst) + b * tiles * tile;
+        for (long long i = blockIdx.x * 256LL + threadIdx.x; i < tiles * tile;
+             i += 256LL * gridDim.x) {
+            const long long t = i / tile, o = i % tile;
+            const int row = (int)((o / 32) % p.rows);
+            const int col = (int)(o / (p.rows * 32)) * 32 + ((((int)o >> 2) & 7) ^ (row & 7)) * 4 +
+                            (int)(o & 3);
+            const long long key = t * p.rows + row;
+            const float x = key < p.src_rows && col < p.src_cols
+                                ? src[key * p.src_s.row + col * p.src_s.col]
+                                : 0.f;
+            dst[i] = __uint_as_float(to_tf32(x));
+        }
+    }
+}
+
+// V^T images: a block transposes 32 keys x 32 columns at a time through shared memory
+// (reads along the head dim; the writes of 32 keys of one column land in one 128-byte row
+// segment); blockIdx.x picks the 32 x 32 piece, block rows y the batch entries.
+__global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
+    __shared__ float piece[32][33];
+    const long long tiles = (p.src_rows + p.rows - 1) / p.rows, key_pieces = tiles * p.rows / 32;
+    const long long n0 = (blockIdx.x % key_pieces) * 32, d0 = (blockIdx.x / key_pieces) * 32;
+    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+    for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
+        const float* src = reinterpret_cast<const float*>(p.src) +
+                           batch_offset(p.src_s, b, p.batch1, p.batch2);
+        __syncthreads();  // the previous entry's piece is read
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const long long n = n0 + ty + 8 * i, d = d0 + tx;
+            piece[ty + 8 * i][tx] =
+                n < p.src_rows && d < p.src_cols ? src[n * p.src_s.row + d * p.src_s.col] : 0.f;
+        }
+        __syncthreads();
+        float* dst = reinterpret_cast<float*>(p.dst) + b * tiles * p.rows * p.cols;
+        const long long n = n0 + tx;
+        float* tile = dst + (n / p.rows) * p.rows * p.cols;
+        const int pos = tf32_key_position((int)(n % p.rows));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int d = (int)d0 + ty + 8 * i;
+            tile[sw128_f32(p.cols, d, pos)] = __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
+        }
+    }
+}
+
+// The kernel. Block: NUM_WG consumer warpgroups (64 query rows each: the products and the
+// softmax) and one producer warpgroup, whose first lane hands tiles of K and V^T to the copy
+// engine into STAGES slots: slot s is filled when its `empty` barrier says every consumer
+// warp has finished the tile it held (products waited for), and each consumer waits on the
+// slot's `full` barrier (one arrival plus the bytes of both copies). Per key tile t a
+// consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together, releases slot
+// t - 1 once the first is done, then runs the softmax of tile t while the tensor cores
+// serve the other warpgroup: with PINGPONG the two warpgroups take turns to issue (named
+// barriers 1 and 2), so that one's softmax runs under the other's products (FlashAttention-3's
+// schedule). Q is copied and rounded by the consumers before the loop, as in the other
+// instance. Results are bit for bit those of attention_fwd_sm90_tf32 (same products in the
+// same order on the same operands).
+// Shared mem: (NUM_WG * 64 * HEAD_DIM + STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)) * 4
+// bytes + 16 * STAGES bytes of barriers (cuattn/_dispatch.py::sm90_piped_smem_bytes).
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
+          int STAGES, bool PINGPONG, bool QREG, bool ALIGNED>
+__global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
+    attention_fwd_sm90_tf32_piped(const AttnParams p) {
+    constexpr int CONSUMERS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh");
+    static_assert(NUM_WG == 2 || NUM_WG == 3, "two or three consumer warpgroups");
+    // registers per thread: the producer keeps 24, the consumers share the rest of the
+    // block's allocation at launch ((NUM_WG + 1) x 128 threads x 65536 / that)
+    constexpr int CONSUMER_REGS = NUM_WG == 2 ? 240 : 160;
+    static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * 24 <= 65536, "register budgets");
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM,
+                  VT_ELEMS = HEAD_DIM_V * BLOCK_N;
+    constexpr unsigned K_BYTES = K_ELEMS * 4, SLOT_BYTES = (K_ELEMS + VT_ELEMS) * 4;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
+    float* slots = q_s + NUM_WG * Q_ELEMS;             // [STAGES][K tile, V^T tile]
+    const unsigned full = smem_addr(slots + STAGES * (K_ELEMS + VT_ELEMS)),
+                   empty = full + 8 * STAGES;  // [STAGES] barriers each
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);
+    const long long b = blk.b, m0 = blk.m0;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, NUM_WG * 4);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();  // the barriers ready for everyone: the first tiles' copies start now
+
+    if (wg == NUM_WG) {  // the producer warpgroup: its registers go to the consumers
+        setmaxnreg_dec<24>();
+        if (warp == NUM_WG * 4 && lane == 0) {
+            int t = 0;
+            for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
+                const int s = t % STAGES;
+                if (t >= STAGES) mbar_wait(empty + 8 * s, (t / STAGES - 1) & 1);
+                mbar_expect_tx(full + 8 * s, SLOT_BYTES);
+                const unsigned dst = smem_addr(slots) + s * SLOT_BYTES;
+                const long long tile = n0 / BLOCK_N;
+                bulk_copy(dst, blk.k + tile * K_ELEMS, K_BYTES, full + 8 * s);
+                bulk_copy(dst + K_BYTES, blk.v + tile * VT_ELEMS, VT_ELEMS * 4, full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    // the consumers: Q, rounded to TF32 in place while the first tiles arrive
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, CONSUMERS, ALIGNED>(
+            q_s + w * Q_ELEMS, blk.q + w * 64 * p.q_s.row, p.q_s.row, p.q_s.col,
+            p.seqlen_q - m0 - w * 64, p.head_dim, Sw128<64, 4>());
+    cp_async_commit();
+    cp_async_wait<0>();
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        round_own_tf32<64, HEAD_DIM, CONSUMERS, ALIGNED, false, Q_ELEMS>(q_s + w * Q_ELEMS,
+                                                                        Sw128<64, 4>());
+    fence_proxy_async();     // Q visible to the tensor cores ...
+    bar_sync(NUM_WG + 1, CONSUMERS);  // ... and to every consumer
+    setmaxnreg_inc<CONSUMER_REGS>();
+
+    float o[DV_TILES][4], m[2], l[2];
+    m[0] = m[1] = neg_inf<float>();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    const SoftmaxExp2<float> exp2_fn(lane);
+    const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), slot_base = smem_addr(slots);
+    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
+    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    // ping-pong: warpgroup w issues after barrier 1 + w, then lets the next one go (turns
+    // in a ring, two warpgroups per barrier); the first warpgroup's first turn is granted
+    // here, and the last one's last turn grants none
+    const int my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NUM_WG;
+    if (PINGPONG && wg == NUM_WG - 1 && tiles > 0) bar_arrive(1, 256);
+
+    // QREG: this warp's 16 rows of Q as TF32 A fragments (rows g, g + 8; k = t, t + 4 of
+    // every 8 columns), so that S reads only K from shared memory
+    unsigned q_frag[QREG ? HEAD_DIM / 8 : 1][4];
+    if constexpr (QREG) {
+        const float* qw = q_s + wg * Q_ELEMS;
+        const int r = 16 * (warp % 4) + lane / 4, c = lane % 4;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
+            q_frag[kk][0] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c)]);
+            q_frag[kk][1] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c)]);
+            q_frag[kk][2] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c + 4)]);
+            q_frag[kk][3] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c + 4)]);
+        }
+    }
+    unsigned p_frag[BLOCK_N / 8][4];  // P of the previous tile (the A operand of its P V)
+    float sc[BLOCK_N / 8][4];
+    auto issue_s = [&](int t) {
+        const unsigned k_tile = slot_base + (t % STAGES) * SLOT_BYTES;
+        if constexpr (QREG) {
+            product_rs_tf32<BLOCK_N, HEAD_DIM>(sc, q_frag, k_tile, false);
+        } else {
+            wgmma_fence();
+            product_ss<BLOCK_N, HEAD_DIM, float>(sc, q_base, k_tile);
+        }
+    };
+    auto issue_pv = [&](int t) {  // O += P(t) V(t)
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(
+            o, p_frag, slot_base + (t % STAGES) * SLOT_BYTES + K_BYTES, true);
+    };
+    auto release = [&](int t) {  // every product on slot t % STAGES is done
+        if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
+    };
+    auto softmax = [&](int t) {  // of S(t), into the row state, O's rescale and P(t)
+        const int n0 = n_lo + t * BLOCK_N;
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
+        const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
+                                                           blk.mask, blk.bias);
+        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, o, scale, exp2_fn);
+        tf32_fragments<BLOCK_N>(p_frag, sc);
+    };
+    if (tiles > 0) {
+        // turns: S(0); then P V(t - 1) with S(t); then the last P V. Every wgmma is issued
+        // outside a branch (ptxas serializes the ones it finds in divergent paths)
+        mbar_wait(full, 0);
+        if (PINGPONG) bar_sync(my_turn, 256);
+        issue_s(0);
+        wgmma_commit();
+        if (PINGPONG) bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        softmax(0);
+        for (int t = 1; t < tiles; ++t) {
+            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
+            if (PINGPONG) bar_sync(my_turn, 256);
+            issue_pv(t - 1);
+            wgmma_commit();
+            issue_s(t);
+            wgmma_commit();
+            if (PINGPONG) bar_arrive(next_turn, 256);
+            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
+            release(t - 1);
+            wgmma_wait<0>();
+            softmax(t);
+        }
+        if (PINGPONG) bar_sync(my_turn, 256);
+        issue_pv(tiles - 1);
+        wgmma_commit();
+        if (PINGPONG && wg < NUM_WG - 1) bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        release(tiles - 1);
+    }
 
     store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
 }

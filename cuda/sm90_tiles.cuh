@@ -49,6 +49,64 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Transaction barriers (mbarrier) and bulk copies, for kernels whose tiles arrive by the
+// copy engine while the warpgroups compute (attention_fwd_sm90_tf32_piped). A barrier is a
+// 64-bit word in shared memory; it completes a phase when its expected arrivals (and, after
+// mbar_expect_tx, the expected bytes of the bulk copies that name it) are in, and waiters
+// name the phase they wait for by its parity (0, 1, 0, ...).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes initialised barriers visible to the copy engine (then a block barrier to the threads).
+__device__ __forceinline__ void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of bulk copies completing on this phase.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared
+// `dst` by the copy engine, counted on barrier `bar` when they have landed.
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+// Register budgets of warp-specialised blocks: every warp of a warpgroup gives up (dec) or
+// takes (inc) registers to REGS per thread, within the block's allocation at launch.
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+// Named barriers 1 .. 15 among `threads` threads (a multiple of 32): bar_sync waits for
+// them, bar_arrive counts this warp's threads without waiting.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // acc (64 x N per warpgroup) (+)= A B^T over CONTRACT columns, A (64 rows) and B (N rows;
 // the first N of a B_ROWS-row tile) both K-contiguous tiles in shared memory: 32 bytes of
 // columns per step (16 of 16-bit T, 8 of TF32) inside a 128-byte column group; groups

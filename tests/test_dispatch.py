@@ -59,43 +59,47 @@ def test_sm90_tf32_instances_and_shared_memory():
     choice = forward(F32, 100, precision="tf32")
     assert choice.family == "sm90_tf32"
     assert choice.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, false, "
-        "true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
     assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
-    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, false, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
     assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
-    # the instance that reads K and V prepared once per call: PREPARED, two V^T stages and
-    # no staging tile
-    prepared = choice.prepared
-    assert prepared.prepare and not choice.prepare and choice.prepare_from == 3072
-    assert prepared.name_expression == choice.name_expression.replace(
-        "2, false, true, 1>", "2, true, true, 1>")
-    assert prepared.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    assert prepared.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128,
-                                                         prepared=True)
+    # the piped instance (K and V^T tile images, a producer warpgroup): three consumer
+    # warpgroups (192 rows) and four slots of a 32-key K tile and V^T tile, two barriers each
+    piped = choice.prepared
+    assert piped.prepare and not choice.prepare and choice.prepare_from == d.PIPED_FROM_D128
+    assert piped.name_expression == (
+        "attention_fwd_sm90_tf32_piped<cuattn::NoBias, false, 128, 128, 32, 3, 4, true, false, "
+        "true>")
+    assert piped.threads == 512 and piped.tiles.block_m == 192 and piped.tiles.block_n == 32
+    assert piped.shared_mem == 4 * (192 * 128 + 4 * 32 * (128 + 128)) + 16 * 4
+    assert piped.shared_mem == d.sm90_piped_smem_bytes(d.PipedTiles(192, 32, 4), 128, 128)
+    assert d64.prepared.name_expression.endswith("64, 64, 64, 3, 4, true, true, true>")
 
 
 def test_prepared_operands_from_enough_query_rows():
-    # the preparation's fixed cost pays from about 24 query blocks per key tile: 3072 rows,
-    # or 6144 under a band (each key tile then serves about half the query blocks)
+    # the preparation's fixed cost pays from enough query blocks per key tile; under a band
+    # each key tile serves about half of them, so twice the rows
     choice = forward(F32, 128, precision="tf32")
+    rows = d.PIPED_FROM_D128
     use = d.with_prepared_operands
-    assert use(choice, 3072, False) is choice.prepared
-    assert use(choice, 3071, False) is choice
-    assert use(choice, 6144, True) is choice.prepared
-    assert use(choice, 4096, True) is choice
-    highest = forward(F32, 128)  # the split: measured slower prepared, so never
+    assert use(choice, rows, False) is choice.prepared
+    assert use(choice, rows - 1, False) is choice
+    assert use(choice, 2 * rows, True) is choice.prepared
+    assert use(choice, 2 * rows - 2, True) is choice
+    highest = forward(F32, 128)  # the split has no piped instance
     assert highest.prepared is None and use(highest, 10**6, False) is highest
-    split = d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 232448,
-                    d.Sm90Tiles(128, 32, stages=1, prepare_from=1))
-    assert split.prepared.shared_mem == 4 * (2 * 128 * 128 + 2 * 32 * 128 + 4 * 32 * 128)
-    # a prepared instance that does not fit is not offered (its second V^T stage: 16 KB more)
-    assert d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 220000,
-                   d.Sm90Tiles(128, 32, stages=1, prepare_from=1)).prepared is None
+    assert d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 232448,
+                   d.Sm90Tiles(128, 32, stages=1, prepare_from=1,
+                               piped=d.PipedTiles(192, 32, 4))).prepared is None
+    # a piped instance that does not fit is not offered
+    tiles = d.Sm90Tiles(128, 64, prepare_from=1, piped=d.PipedTiles(192, 32, 4))
+    assert d._sm90("sm90_tf32", F32, 128, 128, None, False, True, 232448, tiles).prepared
+    assert d._sm90("sm90_tf32", F32, 128, 128, None, False, True, 200000,
+                   tiles).prepared is None
 
 
 def test_sm90_3xtf32_instances_and_shared_memory():
@@ -104,12 +108,11 @@ def test_sm90_3xtf32_instances_and_shared_memory():
     d128 = forward(F32, 128)
     assert d128.family == "sm90_3xtf32"
     assert d128.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, false, "
-        "true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, true, 1>")
     assert d128.shared_mem == 4 * (2 * 128 * 128 + 1 * 2 * 32 * 128 + 3 * 32 * 128)
     assert d128.shared_mem <= 232448
     d64 = forward(F32, 64)
-    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, false, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
     assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
     assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
 

@@ -24,7 +24,7 @@ import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaTiles, Sm90Tiles, Tiles
+from cuattn._dispatch import MmaTiles, PipedTiles, Sm90Tiles, Tiles
 from cuattn.attention import _attention
 from cuattn.bench import _time
 
@@ -61,17 +61,23 @@ SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks,
                         Sm90Tiles(128, 128), Sm90Tiles(128, 64, 1, 3)],
 }
 SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks, stages,
-    # prepare_from: 1 = K and V prepared once per call)
-    ("float32", 64): [Sm90Tiles(128, 128), Sm90Tiles(128, 128, prepare_from=1),
-                      Sm90Tiles(128, 64, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
-    ("float32", 128): [Sm90Tiles(128, 64), Sm90Tiles(128, 64, prepare_from=1),
-                       Sm90Tiles(128, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
+    # prepare_from: 1 = the piped instance with PipedTiles(block_m, block_n, slots, pingpong,
+    # qreg), K and V prepared once per call)
+    ("float32", 64): [Sm90Tiles(128, 128),
+                      Sm90Tiles(128, 128, prepare_from=1, piped=PipedTiles(192, 64, 4, qreg=True)),
+                      Sm90Tiles(128, 128, prepare_from=1, piped=PipedTiles(192, 64, 5, qreg=True)),
+                      Sm90Tiles(128, 128, prepare_from=1, piped=PipedTiles(192, 32, 6, qreg=True)),
+                      Sm90Tiles(128, 128, prepare_from=1,
+                                piped=PipedTiles(128, 128, 3, qreg=True))],
+    ("float32", 128): [Sm90Tiles(128, 64),
+                       Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(192, 32, 4)),
+                       Sm90Tiles(128, 64, prepare_from=1,
+                                 piped=PipedTiles(192, 32, 4, pingpong=False)),
+                       Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(128, 64, 2))],
 }
-SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages, prepare_from)
-    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 64, prepare_from=1),
-                      Sm90Tiles(128, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
-    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(128, 32, 1, 1, prepare_from=1),
-                       Sm90Tiles(64, 32, prepare_from=1), Sm90Tiles(64, 64, prepare_from=1)],
+SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64)],
+    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(64, 32), Sm90Tiles(64, 64)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
