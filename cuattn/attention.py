@@ -502,8 +502,8 @@ def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: in
     if src_rows == 0:
         return  # no keys: nothing to prepare
     key_tiles = -(-src_rows // rows)
-    if expr == "tf32_image_k":  # one thread per image element
-        grid = (max(1, min(-(-key_tiles * rows * cols // 256), 4096)), min(count, 65535))
+    if expr == "tf32_image_k":  # one thread per 16-byte chunk of an image
+        grid = (max(1, min(-(-key_tiles * rows * cols // 1024), 4096)), min(count, 65535))
     else:  # one block per 32 keys x 32 columns
         grid = (key_tiles * rows // 32 * (cols // 32), min(count, 65535))
     fn = get_kernel("attention_sm90_tf32.cu", expr)

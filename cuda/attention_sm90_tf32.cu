@@ -300,62 +300,79 @@ struct Tf32Prep {
     Strides src_s;
 };
 
-// Element offset of (row, col) in a `rows`-row float tile in the 128-byte-swizzle layout
-// (Sw128<rows, 4>, with rows known at run time).
-__device__ __forceinline__ long long sw128_f32(long long rows, int row, int col) {
-    return (col >> 5) * rows * 32 + row * 32 + ((((col >> 2) & 7) ^ (row & 7)) << 2) + (col & 3);
-}
-
-// K images: one thread per image element (consecutive threads write consecutive floats and
-// read one 128-byte row segment per 32); block rows y take batch entries y, y + gridDim.y, ...
+// K images: one thread per 16-byte chunk of an image (four columns of one key; consecutive
+// threads write consecutive chunks and read one 128-byte row segment per eight); block rows
+// y take batch entries y, y + gridDim.y, ... rows (keys per tile) and cols (the padded head
+// dim) are powers of two, so the index arithmetic is shifts and masks: 64-bit divisions by
+// run-time values per element held this kernel to 1 TB/s (docs/kernels.rst).
 __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
-    const long long tile = p.rows * p.cols, tiles = (p.src_rows + p.rows - 1) / p.rows;
+    const int log_rows = __ffs((int)p.rows) - 1, log_chunks = log_rows + __ffs((int)p.cols) - 3;
+    const long long chunks = ((p.src_rows + p.rows - 1) >> log_rows) << log_chunks;
+    // whole 16-byte chunks of the input (else element by element)
+    const bool vec = p.src_s.col == 1 && p.src_cols % 4 == 0 && p.src_s.row % 4 == 0 &&
+                     p.src_s.b0 % 4 == 0 && p.src_s.b1 % 4 == 0 && p.src_s.b2 % 4 == 0 &&
+                     p.src % 16 == 0;
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
-        float* dst = reinterpret_cast<float*>(p.dst) + b * tiles * tile;
-        for (long long i = blockIdx.x * 256LL + threadIdx.x; i < tiles * tile;
-             i += 256LL * gridDim.x) {
-            const long long t = i / tile, o = i % tile;
-            const int row = (int)((o / 32) % p.rows);
-            const int col = (int)(o / (p.rows * 32)) * 32 + ((((int)o >> 2) & 7) ^ (row & 7)) * 4 +
-                            (int)(o & 3);
-            const long long key = t * p.rows + row;
-            const float x = key < p.src_rows && col < p.src_cols
-                                ? src[key * p.src_s.row + col * p.src_s.col]
-                                : 0.f;
-            dst[i] = __uint_as_float(to_tf32(x));
+        float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks;
+        for (long long i = blockIdx.x * 256LL + threadIdx.x; i < chunks; i += 256LL * gridDim.x) {
+            const int o = ((int)i & ((1 << log_chunks) - 1)) << 2;  // element offset in the tile
+            const int row = (o >> 5) & ((1 << log_rows) - 1);
+            const int col = ((o >> (5 + log_rows)) << 5) | ((((o >> 2) & 7) ^ (row & 7)) << 2);
+            const long long key = ((i >> log_chunks) << log_rows) + row;
+            float e[4] = {0.f, 0.f, 0.f, 0.f};
+            if (key < p.src_rows) {
+                const float* r = src + key * p.src_s.row;
+                if (vec) {
+                    if (col < p.src_cols) {
+                        const float4 x = *reinterpret_cast<const float4*>(r + col);
+                        e[0] = x.x, e[1] = x.y, e[2] = x.z, e[3] = x.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (col + c < p.src_cols) e[c] = r[(col + c) * p.src_s.col];
+                }
+            }
+            dst[i] = make_float4(__uint_as_float(to_tf32(e[0])), __uint_as_float(to_tf32(e[1])),
+                                 __uint_as_float(to_tf32(e[2])), __uint_as_float(to_tf32(e[3])));
         }
     }
 }
 
 // V^T images: a block transposes 32 keys x 32 columns at a time through shared memory
 // (reads along the head dim; the writes of 32 keys of one column land in one 128-byte row
-// segment); blockIdx.x picks the 32 x 32 piece, block rows y the batch entries.
+// segment); blockIdx.x picks the 32 x 32 piece, block rows y the batch entries. rows and
+// cols are powers of two, as for tf32_image_k.
 __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
     __shared__ float piece[32][33];
-    const long long tiles = (p.src_rows + p.rows - 1) / p.rows, key_pieces = tiles * p.rows / 32;
+    const int log_rows = __ffs((int)p.rows) - 1, rows = (int)p.rows, cols = (int)p.cols;
+    const long long tiles = (p.src_rows + p.rows - 1) >> log_rows;
+    const long long key_pieces = (tiles << log_rows) >> 5;
     const long long n0 = (blockIdx.x % key_pieces) * 32, d0 = (blockIdx.x / key_pieces) * 32;
     const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+    const long long n = n0 + tx;  // the key this thread writes
+    const int pos = tf32_key_position((int)n & (rows - 1));
+    const long long at = ((n >> log_rows) << log_rows) * cols;  // its tile in the images
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
         __syncthreads();  // the previous entry's piece is read
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const long long n = n0 + ty + 8 * i, d = d0 + tx;
-            piece[ty + 8 * i][tx] =
-                n < p.src_rows && d < p.src_cols ? src[n * p.src_s.row + d * p.src_s.col] : 0.f;
+            const long long key = n0 + ty + 8 * i, d = d0 + tx;
+            piece[ty + 8 * i][tx] = key < p.src_rows && d < p.src_cols
+                                        ? src[key * p.src_s.row + d * p.src_s.col]
+                                        : 0.f;
         }
         __syncthreads();
-        float* dst = reinterpret_cast<float*>(p.dst) + b * tiles * p.rows * p.cols;
-        const long long n = n0 + tx;
-        float* tile = dst + (n / p.rows) * p.rows * p.cols;
-        const int pos = tf32_key_position((int)(n % p.rows));
+        float* tile = reinterpret_cast<float*>(p.dst) + (b * tiles << log_rows) * cols + at;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = (int)d0 + ty + 8 * i;
-            tile[sw128_f32(p.cols, d, pos)] = __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
+            tile[(pos >> 5) * cols * 32 + d * 32 + ((((pos >> 2) & 7) ^ (d & 7)) << 2) + (pos & 3)] =
+                __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
         }
     }
 }
