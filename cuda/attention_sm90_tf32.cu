@@ -30,9 +30,10 @@
 //             registers. K tiles arrive by cp.async one tile ahead into two stages, and each
 //             thread rounds the chunks it copied itself while the P V steps run; a V tile
 //             arrives into one staging buffer, requested as soon as the previous one is
-//             transposed. Q as register fragments (S by the register form) was tried: ptxas
-//             gave P's fragments the registers of the loop-invariant Q fragments without
-//             restoring them (wrong results; docs/kernels.rst).
+//             transposed. Q as register fragments (S by the register form) was tried here:
+//             ptxas gave P's fragments the registers of the loop-invariant Q fragments
+//             without restoring them (wrong results; docs/kernels.rst). The piped instance
+//             below holds Q in registers correctly (QREG).
 //             With K_STAGES = 1 (the split's D128 tiles, for shared memory) the next K tile
 //             is requested as soon as every warpgroup's S product has read the current one.
 //             Long "tf32" calls take the piped instance at the end of this file instead: K
@@ -377,18 +378,23 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
     }
 }
 
-// The kernel. Block: NUM_WG consumer warpgroups (64 query rows each: the products and the
-// softmax) and one producer warpgroup, whose first lane hands tiles of K and V^T to the copy
-// engine into STAGES slots: slot s is filled when its `empty` barrier says every consumer
-// warp has finished the tile it held (products waited for), and each consumer waits on the
-// slot's `full` barrier (one arrival plus the bytes of both copies). Per key tile t a
-// consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together, releases slot
-// t - 1 once the first is done, then runs the softmax of tile t while the tensor cores
-// serve the other warpgroup: with PINGPONG the two warpgroups take turns to issue (named
-// barriers 1 and 2), so that one's softmax runs under the other's products (FlashAttention-3's
-// schedule). Q is copied and rounded by the consumers before the loop, as in the other
-// instance. Results are bit for bit those of attention_fwd_sm90_tf32 (same products in the
-// same order on the same operands).
+// The kernel. Block: NUM_WG (2 or 3) consumer warpgroups (64 query rows each: the products
+// and the softmax) and one producer warpgroup, whose first lane hands tiles of K and V^T to
+// the copy engine into STAGES slots: slot s is filled when its `empty` barrier says every
+// consumer warp has finished the tile it held (products waited for), and each consumer
+// waits on the slot's `full` barrier (one arrival plus the bytes of both copies). Per key
+// tile t a consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together,
+// releases slot t - 1 once the first is done, then runs the softmax of tile t while the
+// tensor cores serve the others: with PINGPONG the warpgroups take turns to issue (named
+// barriers 1 .. NUM_WG in a ring), so that one's softmax runs under the others' products
+// (FlashAttention-3's schedule). Q is copied and rounded by the consumers before the loop,
+// as in the other instance, while the first tiles arrive; QREG keeps it as TF32 register
+// fragments (S by the register form). Three warpgroups share each K and V^T tile among 192
+// rows: two-thirds of the L2 traffic per FLOP of two, which bounded these kernels at
+// about 3.6 TB/s (docs/kernels.rst). Results are bit for bit those of
+// attention_fwd_sm90_tf32 with the same key tiles and 128-row blocks (same products in the
+// same order on the same operands); with 192-row blocks too where no band is set (a band
+// can make a tile masked for one block height and interior for the other: mask_scores).
 // Shared mem: (NUM_WG * 64 * HEAD_DIM + STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)) * 4
 // bytes + 16 * STAGES bytes of barriers (cuattn/_dispatch.py::sm90_piped_smem_bytes).
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
