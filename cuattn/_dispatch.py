@@ -398,8 +398,8 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
                else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
     tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
                              f"head dims {head_dim}, {head_dim_v}")
-    common = (f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}, "
-              f"{tiles.block_n}, {tiles.block_m // 64}, ")
+    head_args = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}, "
+    common = f"{head_args}{tiles.block_n}, {tiles.block_m // 64}, "
     tail = f"{str(aligned).lower()}, {tiles.min_blocks}>"
     layout = Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1)
     if family == "sm90":  # the 16-bit kernel takes T
@@ -413,8 +413,7 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
     if piped is not None and tiles.prepare_from and not split:
         piped_smem = sm90_piped_smem_bytes(piped, hd, hdv)
         if piped_smem <= smem_limit:
-            piped_expr = (f"attention_fwd_sm90_tf32_piped<{_bias_type(bias_dtype)}, "
-                          f"{str(has_mask).lower()}, {hd}, {hdv}, {piped.block_n}, "
+            piped_expr = (f"attention_fwd_sm90_tf32_piped<{head_args}{piped.block_n}, "
                           f"{piped.block_m // 64}, {piped.slots}, "
                           f"{str(piped.pingpong).lower()}, {str(piped.qreg).lower()}, "
                           f"{str(aligned).lower()}>")

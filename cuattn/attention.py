@@ -492,6 +492,8 @@ def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: in
                       src_cols: int):
     """One tf32_image_k / tf32_image_vt launch (a loop of them when the input's batch axes
     do not collapse into three): ``rows`` keys per tile, ``cols`` the padded head dim."""
+    if src_rows == 0:
+        return  # no keys: nothing to prepare
     own = src.shape[:-2]
     src_strides = _broadcast_strides(src, src.shape)
     dst_strides = _broadcast_strides(images, images.shape)
@@ -499,8 +501,6 @@ def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: in
     extents, strides, pointer_sets = _layout(
         own, [(src, src_strides), (images, dst_strides[:nb] + [rows * cols, 1])])
     count = math.prod(extents)
-    if src_rows == 0:
-        return  # no keys: nothing to prepare
     key_tiles = -(-src_rows // rows)
     if expr == "tf32_image_k":  # one thread per 16-byte chunk of an image
         grid = (max(1, min(-(-key_tiles * rows * cols // 1024), 4096)), min(count, 65535))

@@ -92,12 +92,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     }
 
     float o[DV_TILES][4], m[2], l[2];
-    m[0] = m[1] = neg_inf<float>();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    clear_row_state(o, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
 
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),

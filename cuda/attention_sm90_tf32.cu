@@ -181,12 +181,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                                                                     Sw128<64, 4>());
 
     float o[DV_TILES][4], m[2], l[2];
-    m[0] = m[1] = neg_inf<float>();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    clear_row_state(o, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
 
     const unsigned q_base = smem_addr(q_s + wg * PARTS * Q_ELEMS), k_base = smem_addr(k_s),
@@ -473,12 +468,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     setmaxnreg_inc<CONSUMER_REGS>();
 
     float o[DV_TILES][4], m[2], l[2];
-    m[0] = m[1] = neg_inf<float>();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    clear_row_state(o, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), slot_base = smem_addr(slots);
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile

@@ -188,6 +188,17 @@ __device__ __forceinline__ void rescale_rows(A (&o)[DV_TILES][4], const A (&alph
         }
 }
 
+// The row state before the first tile: O zero, the running max -inf, the running sum 0.
+template <int DV_TILES, typename A>
+__device__ __forceinline__ void clear_row_state(A (&o)[DV_TILES][4], A (&m)[2], A (&l)[2]) {
+    m[0] = m[1] = neg_inf<A>();
+    l[0] = l[1] = A(0);
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = A(0);
+}
+
 // The whole online-softmax step of one tile: update_row_stats, then the rescale of acc.
 template <int BLOCK_N, int DV_TILES, typename A, typename Exp2>
 __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
