@@ -296,6 +296,9 @@ class PipedTiles:
     slots: int
     pingpong: bool = True
     qreg: bool = False
+    #: the split ("highest", attention_fwd_sm90_3xtf32_piped): ``slots`` K slots and this
+    #: many V^T slots, two consumer warpgroups, ping-pong, Q in shared memory
+    v_slots: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -376,9 +379,16 @@ def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
             + (1 + parts) * tiles.block_n * head_dim_v) * 4
 
 
-def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int) -> int:
+def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int,
+                          split: bool = False) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32_piped (see the .cu header): Q,
-    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot."""
+    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot; with
+    ``split`` (attention_fwd_sm90_3xtf32_piped) every tile twice (hi, lo), tiles.slots K
+    slots and tiles.v_slots V^T slots."""
+    if split:
+        return ((2 * tiles.block_m * head_dim + 2 * tiles.block_n
+                 * (tiles.slots * head_dim + tiles.v_slots * head_dim_v)) * 4
+                + 16 * (tiles.slots + tiles.v_slots))
     return ((tiles.block_m * head_dim + tiles.slots * tiles.block_n * (head_dim + head_dim_v))
             * 4 + 16 * tiles.slots)
 
@@ -410,13 +420,17 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
     expr = ("attention_fwd_sm90_tf32<" + common + f"{str(split).lower()}, {tiles.stages}, "
             + tail)
     prepared, piped = None, tiles.piped
-    if piped is not None and tiles.prepare_from and not split:
-        piped_smem = sm90_piped_smem_bytes(piped, hd, hdv)
+    if piped is not None and tiles.prepare_from and (not split or piped.block_m == 128):
+        piped_smem = sm90_piped_smem_bytes(piped, hd, hdv, split)
+        head = f"{head_args}{piped.block_n}, "
+        if split:
+            piped_expr = (f"attention_fwd_sm90_3xtf32_piped<{head}{piped.slots}, "
+                          f"{piped.v_slots}, {str(aligned).lower()}>")
+        else:
+            piped_expr = (f"attention_fwd_sm90_tf32_piped<{head}{piped.block_m // 64}, "
+                          f"{piped.slots}, {str(piped.pingpong).lower()}, "
+                          f"{str(piped.qreg).lower()}, {str(aligned).lower()}>")
         if piped_smem <= smem_limit:
-            piped_expr = (f"attention_fwd_sm90_tf32_piped<{head_args}{piped.block_n}, "
-                          f"{piped.block_m // 64}, {piped.slots}, "
-                          f"{str(piped.pingpong).lower()}, {str(piped.qreg).lower()}, "
-                          f"{str(aligned).lower()}>")
             prepared = KernelChoice(family, "attention_sm90_tf32.cu", piped_expr,
                                     Tiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv,
                                     piped_smem, threads=piped.num_warps * 32, prepare=True)
@@ -973,8 +987,9 @@ def forward_instances(arch: str):
                             variants = [choice]
                             if choice.prepared is not None:  # and its preparation kernels
                                 variants.append(choice.prepared)
+                                split = str(family.name == "sm90_3xtf32").lower()
                                 for kernel in ("tf32_image_k", "tf32_image_vt"):
-                                    seen[(choice.filename, kernel)] = True
+                                    seen[(choice.filename, f"{kernel}<{split}>")] = True
                             for c in variants:
                                 key = (c.filename, c.name_expression)
                                 seen[key] = seen.get(key, False) or fast

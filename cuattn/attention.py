@@ -475,16 +475,18 @@ def _prepare_tf32(call: AttentionCall, choice):
     as for the inputs themselves."""
     cupy = call.xp
     sk, bn = call.seqlen_k, choice.tiles.block_n
+    split = choice.family == "sm90_3xtf32"  # every tile twice: hi, lo
     tiles = -(-sk // bn)
     entries = []
     for name, x, cols, src_cols in (("k", call.k, choice.d_tile, call.head_dim),
                                     ("vt", call.v, choice.dv_tile, call.head_dim_v)):
         own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
-        images = cupy.empty(own + (tiles, bn * cols), np.float32)
-        _launch_tf32_prep(f"tf32_image_{name}", x, images, bn, cols, sk, src_cols)
+        images = cupy.empty(own + (tiles, (2 if split else 1) * bn * cols), np.float32)
+        _launch_tf32_prep(f"tf32_image_{name}<{str(split).lower()}>", x, images, bn, cols, sk,
+                          src_cols)
         strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
         entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
-                        + [bn * cols, 1]))
+                        + [images.shape[-1], 1]))
     return entries
 
 
@@ -499,11 +501,12 @@ def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: in
     dst_strides = _broadcast_strides(images, images.shape)
     nb = len(own)
     extents, strides, pointer_sets = _layout(
-        own, [(src, src_strides), (images, dst_strides[:nb] + [rows * cols, 1])])
+        own, [(src, src_strides), (images, dst_strides[:nb] + [images.shape[-1], 1])])
     count = math.prod(extents)
     key_tiles = -(-src_rows // rows)
-    if expr == "tf32_image_k":  # one thread per 16-byte chunk of an image
-        grid = (max(1, min(-(-key_tiles * rows * cols // 1024), 4096)), min(count, 65535))
+    if expr.startswith("tf32_image_k"):  # one thread per 16-byte chunk of an image
+        size = key_tiles * rows * cols * (2 if expr.endswith("<true>") else 1)
+        grid = (max(1, min(-(-size // 1024), 4096)), min(count, 65535))
     else:  # one block per 32 keys x 32 columns
         grid = (key_tiles * rows // 32 * (cols // 32), min(count, 65535))
     fn = get_kernel("attention_sm90_tf32.cu", expr)

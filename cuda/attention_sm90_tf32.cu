@@ -300,9 +300,13 @@ struct Tf32Prep {
 // threads write consecutive chunks and read one 128-byte row segment per eight); block rows
 // y take batch entries y, y + gridDim.y, ... rows (keys per tile) and cols (the padded head
 // dim) are powers of two, so the index arithmetic is shifts and masks: 64-bit divisions by
-// run-time values per element held this kernel to 1 TB/s (docs/kernels.rst).
+// run-time values per element held this kernel to 1 TB/s (docs/kernels.rst). SPLIT: a
+// tile of 2 * rows image rows, the hi parts of its keys, then their lo parts (the split's K
+// stage layout).
+template <bool SPLIT>
 __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
-    const int log_rows = __ffs((int)p.rows) - 1, log_chunks = log_rows + __ffs((int)p.cols) - 3;
+    const int log_rows = __ffs((int)p.rows) - 1, log_img = log_rows + (SPLIT ? 1 : 0);
+    const int log_chunks = log_img + __ffs((int)p.cols) - 3;
     const long long chunks = ((p.src_rows + p.rows - 1) >> log_rows) << log_chunks;
     // whole 16-byte chunks of the input (else element by element)
     const bool vec = p.src_s.col == 1 && p.src_cols % 4 == 0 && p.src_s.row % 4 == 0 &&
@@ -314,8 +318,10 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
         float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks;
         for (long long i = blockIdx.x * 256LL + threadIdx.x; i < chunks; i += 256LL * gridDim.x) {
             const int o = ((int)i & ((1 << log_chunks) - 1)) << 2;  // element offset in the tile
-            const int row = (o >> 5) & ((1 << log_rows) - 1);
-            const int col = ((o >> (5 + log_rows)) << 5) | ((((o >> 2) & 7) ^ (row & 7)) << 2);
+            const int img_row = (o >> 5) & ((1 << log_img) - 1);
+            const int row = img_row & ((1 << log_rows) - 1), part = img_row >> log_rows;
+            const int col =
+                ((o >> (5 + log_img)) << 5) | ((((o >> 2) & 7) ^ (img_row & 7)) << 2);
             const long long key = ((i >> log_chunks) << log_rows) + row;
             float e[4] = {0.f, 0.f, 0.f, 0.f};
             if (key < p.src_rows) {
@@ -331,8 +337,19 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
                         if (col + c < p.src_cols) e[c] = r[(col + c) * p.src_s.col];
                 }
             }
-            dst[i] = make_float4(__uint_as_float(to_tf32(e[0])), __uint_as_float(to_tf32(e[1])),
-                                 __uint_as_float(to_tf32(e[2])), __uint_as_float(to_tf32(e[3])));
+            float4 x;
+            float* xs = reinterpret_cast<float*>(&x);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if constexpr (SPLIT) {
+                    float hi, lo;
+                    split_tf32(e[c], hi, lo);
+                    xs[c] = part ? lo : hi;
+                } else {
+                    xs[c] = __uint_as_float(to_tf32(e[c]));
+                }
+            }
+            dst[i] = x;
         }
     }
 }
@@ -340,8 +357,11 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
 // V^T images: a block transposes 32 keys x 32 columns at a time through shared memory
 // (reads along the head dim; the writes of 32 keys of one column land in one 128-byte row
 // segment); blockIdx.x picks the 32 x 32 piece, block rows y the batch entries. rows and
-// cols are powers of two, as for tf32_image_k.
+// cols are powers of two, as for tf32_image_k. SPLIT: each tile is its hi plane, then its lo
+// plane.
+template <bool SPLIT>
 __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
+    constexpr int PARTS = SPLIT ? 2 : 1;
     __shared__ float piece[32][33];
     const int log_rows = __ffs((int)p.rows) - 1, rows = (int)p.rows, cols = (int)p.cols;
     const long long tiles = (p.src_rows + p.rows - 1) >> log_rows;
@@ -350,7 +370,7 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
     const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
     const long long n = n0 + tx;  // the key this thread writes
     const int pos = tf32_key_position((int)n & (rows - 1));
-    const long long at = ((n >> log_rows) << log_rows) * cols;  // its tile in the images
+    const long long at = ((n >> log_rows) << log_rows) * cols * PARTS;  // its tile
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
@@ -363,12 +383,21 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
                                         : 0.f;
         }
         __syncthreads();
-        float* tile = reinterpret_cast<float*>(p.dst) + (b * tiles << log_rows) * cols + at;
+        float* tile =
+            reinterpret_cast<float*>(p.dst) + (b * tiles << log_rows) * cols * PARTS + at;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = (int)d0 + ty + 8 * i;
-            tile[(pos >> 5) * cols * 32 + d * 32 + ((((pos >> 2) & 7) ^ (d & 7)) << 2) + (pos & 3)] =
-                __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
+            float* to =
+                tile + (pos >> 5) * cols * 32 + d * 32 + ((((pos >> 2) & 7) ^ (d & 7)) << 2) + (pos & 3);
+            if constexpr (SPLIT) {
+                float hi, lo;
+                split_tf32(piece[tx][ty + 8 * i], hi, lo);
+                to[0] = hi;
+                to[rows * cols] = lo;
+            } else {
+                to[0] = __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
+            }
         }
     }
 }
@@ -549,6 +578,186 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         if (PINGPONG && wg < NUM_WG - 1) bar_arrive(next_turn, 256);
         wgmma_wait<0>();
         release(tiles - 1);
+    }
+
+    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+}
+
+// The piped split (precision="highest"), the piped instance's schedule for the 3xTF32
+// products of attention_fwd_sm90_tf32<..., SPLIT = true, ...>: two consumer warpgroups and
+// a producer warpgroup; K and V^T arrive as split tile images (tf32_image_k<true>: hi rows
+// then lo rows; tf32_image_vt<true>: hi plane then lo plane) into separate slots with their
+// own barriers, since Q is held twice (128 KB) and a K tile and a V^T tile are each needed
+// at a different time: S(t) reads K slot t % K_SLOTS, P V(t) one turn later reads V^T slot
+// t % V_SLOTS; the producer requests K(t + 1) before V^T(t). Per turn a warpgroup issues
+// P V(t - 1) into fresh accumulators (added to O once done, as in the per-block kernel) and
+// S(t) = [Q_hi K_hi^T | Q_hi K_lo^T] + Q_lo K_hi^T, then runs the softmax of tile t.
+// Shared mem: (2 * 2 * 64 * HEAD_DIM + K_SLOTS * 2 * BLOCK_N * HEAD_DIM + V_SLOTS * 2 *
+// HEAD_DIM_V * BLOCK_N) * 4 bytes + 16 * (K_SLOTS + V_SLOTS) bytes of barriers.
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int K_SLOTS,
+          int V_SLOTS, bool ALIGNED>
+__global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const AttnParams p) {
+    constexpr int NUM_WG = 2, CONSUMERS = 256, BLOCK_M = 128, DV_TILES = HEAD_DIM_V / 8;
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 32 || BLOCK_N == 64),
+                  "wgmma shapes of wgmma.cuh (N = 2 BLOCK_N for the wide S product)");
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = 2 * BLOCK_N * HEAD_DIM,
+                  V_ELEMS = 2 * HEAD_DIM_V * BLOCK_N;
+    constexpr unsigned K_BYTES = K_ELEMS * 4, V_BYTES = V_ELEMS * 4;
+    constexpr unsigned Q_LO = Q_ELEMS * 4, VT_LO = HEAD_DIM_V * BLOCK_N * 4;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][hi, lo][64 x HEAD_DIM]
+    float* k_slots = q_s + NUM_WG * 2 * Q_ELEMS;       // [K_SLOTS][2 BLOCK_N x HEAD_DIM]
+    float* v_slots = k_slots + K_SLOTS * K_ELEMS;      // [V_SLOTS][hi, lo][HEAD_DIM_V x BLOCK_N]
+    const unsigned full_k = smem_addr(v_slots + V_SLOTS * V_ELEMS), empty_k = full_k + 8 * K_SLOTS,
+                   full_v = empty_k + 8 * K_SLOTS, empty_v = full_v + 8 * V_SLOTS;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform for ptxas
+    const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);
+    const long long b = blk.b, m0 = blk.m0;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < K_SLOTS; ++s) {
+            mbar_init(full_k + 8 * s, 1);
+            mbar_init(empty_k + 8 * s, NUM_WG * 4);
+        }
+#pragma unroll
+        for (int s = 0; s < V_SLOTS; ++s) {
+            mbar_init(full_v + 8 * s, 1);
+            mbar_init(empty_v + 8 * s, NUM_WG * 4);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+
+    if (wg == NUM_WG) {  // the producer: K(t + 1) before V^T(t)
+        setmaxnreg_dec<24>();
+        if (warp == NUM_WG * 4 && lane == 0) {
+            const long long tile0 = n_lo / BLOCK_N;
+            auto request_k = [&](int t) {
+                const int s = t % K_SLOTS;
+                if (t >= K_SLOTS) mbar_wait(empty_k + 8 * s, (t / K_SLOTS - 1) & 1);
+                mbar_expect_tx(full_k + 8 * s, K_BYTES);
+                bulk_copy(smem_addr(k_slots) + s * K_BYTES, blk.k + (tile0 + t) * K_ELEMS, K_BYTES,
+                          full_k + 8 * s);
+            };
+            if (tiles > 0) request_k(0);
+            for (int t = 0; t < tiles; ++t) {
+                if (t + 1 < tiles) request_k(t + 1);
+                const int s = t % V_SLOTS;
+                if (t >= V_SLOTS) mbar_wait(empty_v + 8 * s, (t / V_SLOTS - 1) & 1);
+                mbar_expect_tx(full_v + 8 * s, V_BYTES);
+                bulk_copy(smem_addr(v_slots) + s * V_BYTES, blk.v + (tile0 + t) * V_ELEMS, V_BYTES,
+                          full_v + 8 * s);
+            }
+        }
+        return;
+    }
+
+    // the consumers: Q split in place (hi, then lo Q_ELEMS further) while the first tiles arrive
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, CONSUMERS, ALIGNED>(
+            q_s + w * 2 * Q_ELEMS, blk.q + w * 64 * p.q_s.row, p.q_s.row, p.q_s.col,
+            p.seqlen_q - m0 - w * 64, p.head_dim, Sw128<64, 4>());
+    cp_async_commit();
+    cp_async_wait<0>();
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        round_own_tf32<64, HEAD_DIM, CONSUMERS, ALIGNED, true, Q_ELEMS>(q_s + w * 2 * Q_ELEMS,
+                                                                       Sw128<64, 4>());
+    fence_proxy_async();
+    bar_sync(3, CONSUMERS);
+    setmaxnreg_inc<240>();
+
+    float o[DV_TILES][4], m[2], l[2];
+    m[0] = m[1] = neg_inf<float>();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    const SoftmaxExp2<float> exp2_fn(lane);
+    const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS), k_base = smem_addr(k_slots),
+                   v_base = smem_addr(v_slots);
+    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);
+    const int my_turn = 1 + wg, next_turn = 2 - wg;
+    if (wg == 1 && tiles > 0) bar_arrive(1, 256);
+
+    unsigned p_hi[BLOCK_N / 8][4], p_lo[BLOCK_N / 8][4];  // P(t - 1), split
+    float sc[BLOCK_N / 8][4], s_wide[2 * BLOCK_N / 8][4], pv[DV_TILES][4];
+    auto issue_s = [&](int t) {
+        const unsigned k_tile = k_base + (t % K_SLOTS) * K_BYTES;
+        wgmma_fence();
+        product_ss<2 * BLOCK_N, HEAD_DIM, float>(s_wide, q_base, k_tile);
+        product_ss<BLOCK_N, HEAD_DIM, float, 2 * BLOCK_N>(sc, q_base + Q_LO, k_tile);
+    };
+    auto issue_pv = [&](int t) {  // into fresh accumulators, the small terms first
+        const unsigned vt_tile = v_base + (t % V_SLOTS) * V_BYTES;
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(pv, p_hi, vt_tile + VT_LO, false);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_lo, vt_tile, true);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_hi, vt_tile, true);
+    };
+    auto add_pv = [&](int t) {  // P V(t) done: its V^T slot is free, and it joins O
+        if (lane == 0) mbar_arrive(empty_v + 8 * (t % V_SLOTS));
+#pragma unroll
+        for (int d = 0; d < DV_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[d][e] += pv[d][e];
+    };
+    auto softmax = [&](int t) {  // S(t) done: its K slot is free; scores, row state, P(t)
+        if (lane == 0) mbar_arrive(empty_k + 8 * (t % K_SLOTS));
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sc[j][e] = s_wide[j][e] + (s_wide[BLOCK_N / 8 + j][e] + sc[j][e]);
+        const int n0 = n_lo + t * BLOCK_N;
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
+        const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
+                                                           blk.mask, blk.bias);
+        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, o, scale, exp2_fn);
+        tf32_split_fragments<BLOCK_N>(p_hi, p_lo, sc);
+    };
+    if (tiles > 0) {
+        mbar_wait(full_k, 0);
+        bar_sync(my_turn, 256);
+        issue_s(0);
+        wgmma_commit();
+        bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        softmax(0);
+        for (int t = 1; t < tiles; ++t) {
+            mbar_wait(full_v + 8 * ((t - 1) % V_SLOTS), ((t - 1) / V_SLOTS) & 1);
+            mbar_wait(full_k + 8 * (t % K_SLOTS), (t / K_SLOTS) & 1);
+            bar_sync(my_turn, 256);
+            issue_pv(t - 1);
+            wgmma_commit();
+            issue_s(t);
+            wgmma_commit();
+            bar_arrive(next_turn, 256);
+            wgmma_wait<1>();
+            add_pv(t - 1);
+            wgmma_wait<0>();
+            softmax(t);
+        }
+        mbar_wait(full_v + 8 * ((tiles - 1) % V_SLOTS), ((tiles - 1) / V_SLOTS) & 1);
+        bar_sync(my_turn, 256);
+        issue_pv(tiles - 1);
+        wgmma_commit();
+        if (wg == 0) bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        add_pv(tiles - 1);
     }
 
     store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
