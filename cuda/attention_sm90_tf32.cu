@@ -741,12 +741,15 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
             mbar_wait(full_v + 8 * ((t - 1) % V_SLOTS), ((t - 1) / V_SLOTS) & 1);
             mbar_wait(full_k + 8 * (t % K_SLOTS), (t / K_SLOTS) & 1);
             bar_sync(my_turn, 256);
+            // P V(t - 1) completes before S(t) is issued: P's fragments are then dead while
+            // S's accumulators live (32 registers less at the peak); the tensor pipe stays
+            // busy, since the other warpgroup's products queue behind this one's
             issue_pv(t - 1);
             wgmma_commit();
+            wgmma_wait<0>();
             issue_s(t);
             wgmma_commit();
             bar_arrive(next_turn, 256);
-            wgmma_wait<1>();
             add_pv(t - 1);
             wgmma_wait<0>();
             softmax(t);
