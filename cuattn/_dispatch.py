@@ -20,7 +20,7 @@ from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
            "MmaTiles", "SM90_TILES", "Sm90Tiles", "PipedTiles", "SM90_TF32_TILES",
-           "SM90_3XTF32_TILES", "sm90_piped_smem_bytes",
+           "SM90_3XTF32_TILES", "PIPED_SPLIT_FROM", "sm90_piped_smem_bytes",
            "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
            "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
@@ -345,21 +345,34 @@ SM90_TF32_TILES = (
 )
 
 
+#: Query rows from which the sm90_3xtf32 family takes its piped split
+#: (attention_fwd_sm90_3xtf32_piped), measured at B32 S512 to B2 S8192 (docs/kernels.rst,
+#: thirteenth session): it wins from S1024 (causal: S2048, level there, and on).
+PIPED_SPLIT_FROM = 1024
+
 #: sm90_3xtf32 family (precision "highest"), as SM90_TF32_TILES. Every operand tile is held
 #: twice (hi and lo parts), so D128 fits 227 KB only with one K stage or one warpgroup.
 SM90_3XTF32_TILES = (
-    (64, (Sm90Tiles(128, 64), Sm90Tiles(128, 64, stages=1), Sm90Tiles(64, 64, stages=1)),
+    (64, (Sm90Tiles(128, 64, prepare_from=PIPED_SPLIT_FROM,
+                    piped=PipedTiles(128, 64, 2, v_slots=2)),
+          Sm90Tiles(128, 64, stages=1), Sm90Tiles(64, 64, stages=1)),
      "H200 fp32 highest B4 H16 S4096 D64 (session 7, tools/sweep_tiles.py --sm90-3xtf32): two "
      "warpgroups with 64-key tiles 81.6 / 72.0 TFLOP/s (non-causal / causal), with one K "
      "stage 80.0 / 72.7, one warpgroup with one K stage (two blocks per SM) 76.5 / 73.2, "
      "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers). Session 11: K split "
      "and V^T split once per call (planes copied by cp.async) 84.5 / 74.8 against "
-     "85.8 / 82.1: not used"),
-    (128, (Sm90Tiles(128, 32, stages=1), Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
+     "85.8 / 82.1: not used. Session 13, the piped split 128 x 64 with two K and two V^T "
+     "slots: 117.9 / 101.5 against 84.4 / 81.3 per block (S8192 121.5 / 108.2; S1024 "
+     "82.7 / 55.2 against 76.6 / 62.7)"),
+    (128, (Sm90Tiles(128, 32, stages=1, prepare_from=PIPED_SPLIT_FROM,
+                     piped=PipedTiles(128, 32, 2, v_slots=1)),
+           Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
      "H200 fp32 highest D128: two warpgroups with 32-key tiles and one K stage (208 KB) "
      "85.6 / 83.6, one warpgroup 56.5 / 54.4 (two K stages 54.5 / 54.1); 64-key tiles do "
      "not fit 227 KB with two warpgroups. Session 11: split planes 87.2 / 79.9 against "
-     "88.9 / 87.3: not used"),
+     "88.9 / 87.3: not used. Session 13, the piped split 128 x 32 with two K slots and one "
+     "V^T slot (224 KB): 111.2 / 95.2 against 87.4 / 84.4 per block (S8192 114.6 / 104.9; "
+     "S1024 86.3 / 60.8 against 82.6 / 69.6)"),
 )
 
 

@@ -739,18 +739,19 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
         softmax(0);
         for (int t = 1; t < tiles; ++t) {
             mbar_wait(full_v + 8 * ((t - 1) % V_SLOTS), ((t - 1) / V_SLOTS) & 1);
-            mbar_wait(full_k + 8 * (t % K_SLOTS), (t / K_SLOTS) & 1);
             bar_sync(my_turn, 256);
-            // P V(t - 1) completes before S(t) is issued: P's fragments are then dead while
-            // S's accumulators live (32 registers less at the peak); the tensor pipe stays
-            // busy, since the other warpgroup's products queue behind this one's
             issue_pv(t - 1);
             wgmma_commit();
+            bar_arrive(next_turn, 256);
+            // P V(t - 1) completes before S(t) is issued, so P's fragments and P V's
+            // accumulators are dead while S's accumulators live; the turn passed on at once
+            // lets the other warpgroup's P V(t - 1) queue behind this one, so the tensor
+            // pipe runs it while this warpgroup adds P V into O and issues S(t)
+            mbar_wait(full_k + 8 * (t % K_SLOTS), (t / K_SLOTS) & 1);
             wgmma_wait<0>();
+            add_pv(t - 1);
             issue_s(t);
             wgmma_commit();
-            bar_arrive(next_turn, 256);
-            add_pv(t - 1);
             wgmma_wait<0>();
             softmax(t);
         }

@@ -13,8 +13,9 @@ from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 from cuattn import _dispatch
+from cuattn._checks import check_attention
 from cuattn._dispatch import FAMILIES
-from cuattn.attention import _attention
+from cuattn.attention import _attention, _device_limits
 from cuattn.reference import attention_reference, naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -159,23 +160,33 @@ def test_piped_operands(variant, feature, shape):
     assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
 
 
+#: (key tile, K slots, V^T slots) of the piped split: the table's D128 and D64 entries
+#: (64-key tiles fit beside a split Q only up to head dim 64)
+PIPED_SPLIT_SHAPES = [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
+                      (17, 1, 59, 59), (300, 5, 128, 64), (70, 1030, 64, 64)]
+PIPED_SPLIT_CASES = [(tiles, shape) for tiles in ((32, 2, 1), (64, 2, 2))
+                     for shape in PIPED_SPLIT_SHAPES
+                     if tiles[0] == 32 or max(shape[2:]) <= 64]
+
+
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
                                      "bias_f32", "all"])
-@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
-                                   (17, 1, 59, 59), (300, 5, 128, 64), (70, 1030, 64, 64)])
-def test_piped_split_operands(feature, shape):
+@pytest.mark.parametrize("tiles,shape", PIPED_SPLIT_CASES)
+def test_piped_split_operands(feature, tiles, shape):
     """The piped split (precision="highest": attention_fwd_sm90_3xtf32_piped, K and V^T as
     split tile images in separate slots) forced through explicit tiles: out and lse bit for
-    bit those of the per-block split instance with the same 128 x 32 tiles, and accurate."""
+    bit those of the per-block split instance with the same 128-row blocks and key tiles,
+    and accurate."""
     cp = _cp()
     sq, sk, d, dv = shape
+    block_n, k_slots, v_slots = tiles
     rng = np.random.default_rng(sq + 5 * sk + d)
     kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
     q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
         _rand(rng, (2, 3, sk, dv), np.float32)
-    per_block = _dispatch.Sm90Tiles(128, 32, stages=1)
-    piped = dataclasses.replace(per_block, prepare_from=1,
-                                piped=_dispatch.PipedTiles(128, 32, 2, v_slots=1))
+    per_block = _dispatch.Sm90Tiles(128, block_n, stages=1)
+    piped = dataclasses.replace(per_block, prepare_from=1, piped=_dispatch.PipedTiles(
+        128, block_n, k_slots, v_slots=v_slots))
     dev = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
     results = [_attention(*(cp.asarray(x) for x in (q, k, v)), kernel="sm90_3xtf32",
                           return_lse=True, tiles=t, **{**kw, **dev})
@@ -184,6 +195,32 @@ def test_piped_split_operands(feature, shape):
         assert bool(cp.array_equal(a, b, equal_nan=True))
     ref, _ = attention_reference(q, k, v, **kw)
     assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_float32_calls_take_the_piped_instance(precision, causal, d):
+    """Without forcing anything, a float32 call with enough query rows for the table's
+    threshold (PIPED_SPLIT_FROM, PIPED_FROM_D64 / _D128; twice as many under a band) takes
+    the piped instance on Hopper and is accurate."""
+    cp = _cp()
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the piped instances are Hopper's (sm_90)")
+    rows = (_dispatch.PIPED_SPLIT_FROM if precision == "highest" else
+            _dispatch.PIPED_FROM_D64 if d == 64 else _dispatch.PIPED_FROM_D128)
+    sq = 2 * rows if causal else rows
+    rng = np.random.default_rng(sq + d)
+    q, k, v = (_rand(rng, (1, 2, sq, d), np.float32) for _ in range(3))
+    call = check_attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal,
+                              precision=precision)
+    cc, limit = _device_limits(cp.cuda.Device().id)
+    choice = _dispatch.forward_kernel(call, cc, limit, None, None)
+    assert choice.prepare, choice.name_expression
+    got = _attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal, precision=precision)
+    ref, _ = attention_reference(q, k, v, causal=causal)
+    naive = naive_attention(q, k, v, causal=causal, precision=precision)
+    assert_accurate(to_host(got), ref, naive)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

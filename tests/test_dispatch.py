@@ -90,8 +90,12 @@ def test_prepared_operands_from_enough_query_rows():
     assert use(choice, rows - 1, False) is choice
     assert use(choice, 2 * rows, True) is choice.prepared
     assert use(choice, 2 * rows - 2, True) is choice
-    highest = forward(F32, 128)  # the split has no piped instance
-    assert highest.prepared is None and use(highest, 10**6, False) is highest
+    highest = forward(F32, 128)  # the split's piped instance: from PIPED_SPLIT_FROM rows
+    assert highest.prepare_from == d.PIPED_SPLIT_FROM
+    assert use(highest, d.PIPED_SPLIT_FROM, False) is highest.prepared
+    assert use(highest, d.PIPED_SPLIT_FROM - 1, False) is highest
+    assert use(highest, 2 * d.PIPED_SPLIT_FROM - 2, True) is highest
+    # the split is piped with two consumer warpgroups only (Q twice beside the slots)
     assert d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 232448,
                    d.Sm90Tiles(128, 32, stages=1, prepare_from=1,
                                piped=d.PipedTiles(192, 32, 4))).prepared is None
@@ -115,6 +119,19 @@ def test_sm90_3xtf32_instances_and_shared_memory():
     assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
     assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
     assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
+    # the piped split: two consumer warpgroups and a producer; Q hi and lo per warpgroup,
+    # K slots of a tile's hi and lo rows, V^T slots of its hi and lo planes, a full and an
+    # empty barrier per slot. D128: two K slots and one V^T slot of 32 keys (224 KB)
+    piped = d128.prepared
+    assert piped.prepare and piped.threads == 384 and d128.prepare_from == d.PIPED_SPLIT_FROM
+    assert piped.name_expression == (
+        "attention_fwd_sm90_3xtf32_piped<cuattn::NoBias, false, 128, 128, 32, 2, 1, true>")
+    assert piped.shared_mem == 4 * (2 * 2 * 64 * 128 + 2 * 2 * 32 * 128 + 1 * 2 * 128 * 32) \
+        + 16 * (2 + 1)
+    assert piped.shared_mem <= 232448
+    assert d64.prepared.name_expression.endswith("64, 64, 64, 2, 2, true>")
+    assert d64.prepared.shared_mem == 4 * (2 * 2 * 64 * 64 + 2 * 2 * 64 * 64 + 2 * 2 * 64 * 64) \
+        + 16 * (2 + 2)
 
 
 def test_sm90_instances_and_shared_memory():

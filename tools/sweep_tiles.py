@@ -75,11 +75,11 @@ SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_bl
                                  piped=PipedTiles(192, 32, 4, pingpong=False)),
                        Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(128, 64, 2))],
 }
-SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages)
-    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(128, 32), Sm90Tiles(64, 64),
+SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages, prepare_from,
+    # piped: PipedTiles(128, block_n, K slots, v_slots=V^T slots), the piped split)
+    ("float32", 64): [Sm90Tiles(128, 64),
                       Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(128, 64, 2, v_slots=2))],
-    ("float32", 128): [Sm90Tiles(128, 32, 1, 1), Sm90Tiles(64, 32), Sm90Tiles(64, 64),
-                       # the piped split: two K slots, one V^T slot
+    ("float32", 128): [Sm90Tiles(128, 32, 1, 1),
                        Sm90Tiles(128, 32, 1, 1, prepare_from=1,
                                  piped=PipedTiles(128, 32, 2, v_slots=1))],
 }
