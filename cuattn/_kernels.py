@@ -24,8 +24,8 @@ import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
            "ATTN_PARAMS_DTYPE", "attn_params", "attn_params_tail", "ATTN_BWD_PARAMS_DTYPE",
-           "pack_attn_bwd_params", "TF32_PREP_DTYPE", "pack_tf32_prep", "c_type_name",
-           "require_cupy", "ForwardLaunch"]
+           "pack_attn_bwd_params", "TF32_PREP_DTYPE", "c_type_name", "require_cupy",
+           "ForwardLaunch", "Tf32PrepLaunch"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -267,8 +267,26 @@ _TF32_PREP_STRUCT = struct.Struct("<14q")
 assert _TF32_PREP_STRUCT.size == TF32_PREP_DTYPE.itemsize
 
 
-def pack_tf32_prep(fields: list[int]) -> np.void:
-    """The Tf32Prep block from its 14 integer fields in declaration order (the source's
-    five strides last)."""
-    return np.frombuffer(_TF32_PREP_STRUCT.pack(*fields), TF32_PREP_DTYPE)[0]
+class Tf32PrepLaunch:
+    """One tf32_image_k / tf32_image_vt launch of a call signature, as
+    :class:`ForwardLaunch`: the Tf32Prep block from its 14 integer fields in declaration
+    order (the source's five strides last), kept, with its two pointers (source, images)
+    written per call."""
+
+    def __init__(self, kernel, grid: tuple[int, int], fields: list[int]):
+        from cupy_backends.cuda.api import driver
+        self._launch = driver.launchKernel
+        self._function = kernel.kernel.ptr
+        self._block = np.zeros(TF32_PREP_DTYPE.itemsize // 8, np.int64)
+        _TF32_PREP_STRUCT.pack_into(memoryview(self._block).cast("B"), 0, 0, 0, *fields[2:])
+        self._argv = np.array([self._block.ctypes.data], np.int64)
+        self._argv_ptr = self._argv.ctypes.data
+        self._grid = grid
+        self._lock = threading.Lock()
+
+    def __call__(self, src: int, dst: int, stream_ptr: int) -> None:
+        with self._lock:
+            self._block[0], self._block[1] = src, dst
+            self._launch(self._function, self._grid[0], self._grid[1], 1, 256, 1, 1, 0,
+                         stream_ptr, self._argv_ptr, 0)
 

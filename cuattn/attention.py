@@ -16,10 +16,10 @@ from . import _cpu, _dispatch
 from ._checks import AttentionCall, _cupy_or_none, check_attention, check_backward, lse_dtype
 from ._kernels import (
     ForwardLaunch,
+    Tf32PrepLaunch,
     attn_params_tail,
     get_kernel,
     pack_attn_bwd_params,
-    pack_tf32_prep,
 )
 from .reference import sum_to_shape
 
@@ -295,7 +295,7 @@ def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
 def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
     """The forward's seven parameter-block slots: (array, strides over batch + its two last
     axes), in :func:`_forward_arrays` order. ``prepared``: the (k, v) slots' entries of
-    prepared operands (:func:`_prepare_tf32`) in place of call.k and call.v."""
+    prepared operands (:func:`_prepared_plan`) in place of call.k and call.v."""
     batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
     q, k, v, out, lse, mask, bias = _forward_arrays(call, out, lse)
     kv = prepared or [(k, _broadcast_strides(k, batch + k.shape[-2:])),
@@ -443,16 +443,10 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     if plan is None:
         cc, smem_limit = _device_limits(device_id)
         choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
-        if choice.prepare:  # operands prepared per call: a plan of this call only
-            prepared = _prepare_tf32(call, choice)
-            launch, pointer_sets = _forward_plan(call, choice, out, lse, prepared)
-            arrays = list(_forward_arrays(call, out, lse))
-            arrays[1:3] = [x for x, _ in prepared]
-            for pointers in ([[0 if x is None else x.data.ptr for x in arrays]]
-                             if pointer_sets is None else pointer_sets):
-                launch(pointers, stream)
-            return out, lse
-        plan = _forward_plan(call, choice, out, lse)
+        if choice.prepare:  # operands prepared per call (tile images), then the kernel
+            plan = _prepared_plan(call, choice, out, lse)
+        else:
+            plan = _forward_plan(call, choice, out, lse)
         if plan[1] is None:  # plans with a launch loop hold pointers: not kept
             if len(_forward_plans) >= _MAX_PLANS:
                 _forward_plans.clear()
@@ -466,36 +460,77 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
     return out, lse
 
 
-def _prepare_tf32(call: AttentionCall, choice):
-    """K and V prepared for the piped sm90_tf32 instance (attention_sm90_tf32.cu,
-    attention_fwd_sm90_tf32_piped): per batch entry of k, its tile images (tf32_image_k:
-    each tile of block_n keys rounded to TF32 in the shared-memory layout), per batch entry
-    of v its V^T tile images (tf32_image_vt). Returns the (k, v) parameter-slot entries: the
-    arrays and their strides over the call's batch axes + (tile, element), broadcast axes 0
-    as for the inputs themselves."""
+def _prepared_plan(call: AttentionCall, choice, out, lse):
+    """(launch, pointer sets) of the piped sm90 float instances (attention_sm90_tf32.cu,
+    attention_fwd_sm90_tf32_piped and attention_fwd_sm90_3xtf32_piped), which read K and V
+    prepared per call: per batch entry of k, its tile images (tf32_image_k: each tile of
+    block_n keys rounded to TF32, or split into hi and lo rows, in the shared-memory
+    layout), per batch entry of v its V^T tile images (tf32_image_vt). As for
+    :func:`_forward_plan`, the pointer sets are None when every launch is one: the launch
+    (a :class:`_PreparedLaunch`) then allocates the images, prepares them and runs the
+    kernel from the call's seven pointers, and the plan is kept. Otherwise the images are
+    prepared here, and the pointer sets are the kernel's launches over them."""
     cupy = call.xp
     sk, bn = call.seqlen_k, choice.tiles.block_n
     split = choice.family == "sm90_3xtf32"  # every tile twice: hi, lo
     tiles = -(-sk // bn)
-    entries = []
+    entries, preps = [], []
     for name, x, cols, src_cols in (("k", call.k, choice.d_tile, call.head_dim),
                                     ("vt", call.v, choice.dv_tile, call.head_dim_v)):
         own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
         images = cupy.empty(own + (tiles, (2 if split else 1) * bn * cols), np.float32)
-        _launch_tf32_prep(f"tf32_image_{name}<{str(split).lower()}>", x, images, bn, cols, sk,
-                          src_cols)
+        preps.append(_tf32_prep_plan(f"tf32_image_{name}<{str(split).lower()}>", x, images,
+                                     bn, cols, sk, src_cols))
         strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
         entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
                         + [images.shape[-1], 1]))
-    return entries
+    launch, pointer_sets = _forward_plan(call, choice, out, lse, entries)
+    if pointer_sets is None and all(p is not None and p[1] is None for p in preps):
+        return _PreparedLaunch(cupy, [x.shape for x, _ in entries],
+                               [p[0] for p in preps], launch), None
+    # launch loops, or no keys: everything runs here, while the images are alive
+    stream = cupy.cuda.get_current_stream().ptr
+    for x, (images, _), prep in zip((call.k, call.v), entries, preps):
+        if prep is not None:
+            prep_launch, prep_sets = prep
+            for src, dst in prep_sets or [(x.data.ptr, images.data.ptr)]:
+                prep_launch(src, dst, stream)
+    if pointer_sets is None:
+        arrays = list(_forward_arrays(call, out, lse))
+        arrays[1:3] = [x for x, _ in entries]
+        pointer_sets = [[0 if x is None else x.data.ptr for x in arrays]]
+    for pointers in pointer_sets:
+        launch(pointers, stream)
+    return launch, []  # launched: nothing left for the caller, and not kept
 
 
-def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: int,
-                      src_cols: int):
-    """One tf32_image_k / tf32_image_vt launch (a loop of them when the input's batch axes
-    do not collapse into three): ``rows`` keys per tile, ``cols`` the padded head dim."""
+class _PreparedLaunch:
+    """The launches of one call signature of a piped instance (:func:`_prepared_plan`),
+    called as a :class:`~cuattn._kernels.ForwardLaunch` with the call's seven pointers: new
+    K and V^T images (from CuPy's pool, on the stream of the launches, so reused only after
+    the kernel that reads them), their two preparations, the kernel."""
+
+    def __init__(self, cupy, shapes, preps, launch):
+        self._ndarray, self._shapes, self._preps, self._launch = cupy.ndarray, shapes, preps, launch
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        k_images = self._ndarray(self._shapes[0], np.float32)
+        vt_images = self._ndarray(self._shapes[1], np.float32)
+        k_ptr, vt_ptr = k_images.data.ptr, vt_images.data.ptr
+        self._preps[0](pointers[1], k_ptr, stream_ptr)
+        self._preps[1](pointers[2], vt_ptr, stream_ptr)
+        self._launch([pointers[0], k_ptr, vt_ptr, *pointers[3:]], stream_ptr)
+
+
+def _tf32_prep_plan(expr: str, src, images, rows: int, cols: int, src_rows: int,
+                    src_cols: int):
+    """(launch, pointer sets) of one tf32_image_k / tf32_image_vt preparation: the pointer
+    sets are None when it is one launch (source and images from the arrays' own pointers),
+    else the (source, images) pointers of each launch, when the input's batch axes do not
+    collapse into three. ``rows`` keys per tile, ``cols`` the padded head dim. None when
+    there are no keys: nothing to prepare."""
     if src_rows == 0:
-        return  # no keys: nothing to prepare
+        return None
     own = src.shape[:-2]
     src_strides = _broadcast_strides(src, src.shape)
     dst_strides = _broadcast_strides(images, images.shape)
@@ -504,16 +539,17 @@ def _launch_tf32_prep(expr: str, src, images, rows: int, cols: int, src_rows: in
         own, [(src, src_strides), (images, dst_strides[:nb] + [images.shape[-1], 1])])
     count = math.prod(extents)
     key_tiles = -(-src_rows // rows)
-    if expr.startswith("tf32_image_k"):  # one thread per 16-byte chunk of an image
-        size = key_tiles * rows * cols * (2 if expr.endswith("<true>") else 1)
+    if expr.startswith("tf32_image_k"):  # one thread per 16-byte chunk of a tile's keys
+        size = key_tiles * rows * cols
         grid = (max(1, min(-(-size // 1024), 4096)), min(count, 65535))
     else:  # one block per 32 keys x 32 columns
         grid = (key_tiles * rows // 32 * (cols // 32), min(count, 65535))
     fn = get_kernel("attention_sm90_tf32.cu", expr)
-    for pointers in pointer_sets:
-        params = pack_tf32_prep([pointers[0], pointers[1], count, extents[1], extents[2], rows,
-                                 cols, src_rows, src_cols] + strides[:5])
-        fn(grid, (256,), (params,))
+    launch = Tf32PrepLaunch(fn, grid, [0, 0, count, extents[1], extents[2], rows, cols,
+                                       src_rows, src_cols] + strides[:5])
+    if isinstance(pointer_sets, list):  # one launch
+        return launch, None
+    return launch, [(p[0], p[1]) for p in pointer_sets]
 
 
 #: Largest dQ scratch of the fused backward (attention_bwd_sm90_fused): batch entries run in

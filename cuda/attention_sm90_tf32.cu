@@ -296,8 +296,9 @@ struct Tf32Prep {
     Strides src_s;
 };
 
-// K images: one thread per 16-byte chunk of an image (four columns of one key; consecutive
-// threads write consecutive chunks and read one 128-byte row segment per eight); block rows
+// K images: one thread per 16-byte chunk of a tile (four columns of one key), which it
+// writes rounded (SPLIT: its hi parts, and its lo parts rows further on); consecutive
+// threads write consecutive chunks and read one 128-byte row segment per eight; block rows
 // y take batch entries y, y + gridDim.y, ... rows (keys per tile) and cols (the padded head
 // dim) are powers of two, so the index arithmetic is shifts and masks: 64-bit divisions by
 // run-time values per element held this kernel to 1 TB/s (docs/kernels.rst). SPLIT: a
@@ -305,8 +306,9 @@ struct Tf32Prep {
 // stage layout).
 template <bool SPLIT>
 __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
-    const int log_rows = __ffs((int)p.rows) - 1, log_img = log_rows + (SPLIT ? 1 : 0);
-    const int log_chunks = log_img + __ffs((int)p.cols) - 3;
+    constexpr int PARTS = SPLIT ? 2 : 1;
+    const int log_rows = __ffs((int)p.rows) - 1;
+    const int log_chunks = log_rows + __ffs((int)p.cols) - 3;  // of a tile's keys
     const long long chunks = ((p.src_rows + p.rows - 1) >> log_rows) << log_chunks;
     // whole 16-byte chunks of the input (else element by element)
     const bool vec = p.src_s.col == 1 && p.src_cols % 4 == 0 && p.src_s.row % 4 == 0 &&
@@ -315,13 +317,12 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
-        float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks;
+        float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks * PARTS;
         for (long long i = blockIdx.x * 256LL + threadIdx.x; i < chunks; i += 256LL * gridDim.x) {
-            const int o = ((int)i & ((1 << log_chunks) - 1)) << 2;  // element offset in the tile
-            const int img_row = (o >> 5) & ((1 << log_img) - 1);
-            const int row = img_row & ((1 << log_rows) - 1), part = img_row >> log_rows;
-            const int col =
-                ((o >> (5 + log_img)) << 5) | ((((o >> 2) & 7) ^ (img_row & 7)) << 2);
+            // chunk ch of its tile: column block ch / (8 rows), key row, chunk w of the row
+            const int ch = (int)i & ((1 << log_chunks) - 1), w = ch & 7;
+            const int cb = ch >> (log_rows + 3), row = (ch >> 3) & ((int)p.rows - 1);
+            const int col = (cb << 5) | ((w ^ (row & 7)) << 2);
             const long long key = ((i >> log_chunks) << log_rows) + row;
             float e[4] = {0.f, 0.f, 0.f, 0.f};
             if (key < p.src_rows) {
@@ -337,19 +338,22 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
                         if (col + c < p.src_cols) e[c] = r[(col + c) * p.src_s.col];
                 }
             }
-            float4 x;
-            float* xs = reinterpret_cast<float*>(&x);
+            // the image chunk: tile, column block of PARTS * rows rows, row, chunk
+            const long long at = ((i >> log_chunks) << log_chunks) * PARTS +
+                                 (((long long)cb << (log_rows + 3)) * PARTS) + (row << 3) + w;
+            float4 hi, lo;
+            float* hs = reinterpret_cast<float*>(&hi);
+            float* ls = reinterpret_cast<float*>(&lo);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 if constexpr (SPLIT) {
-                    float hi, lo;
-                    split_tf32(e[c], hi, lo);
-                    xs[c] = part ? lo : hi;
+                    split_tf32(e[c], hs[c], ls[c]);
                 } else {
-                    xs[c] = __uint_as_float(to_tf32(e[c]));
+                    hs[c] = __uint_as_float(to_tf32(e[c]));
                 }
             }
-            dst[i] = x;
+            dst[at] = hi;
+            if constexpr (SPLIT) dst[at + ((long long)p.rows << 3)] = lo;
         }
     }
 }

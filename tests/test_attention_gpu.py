@@ -197,6 +197,33 @@ def test_piped_split_operands(feature, tiles, shape):
     assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
 
 
+@pytest.mark.parametrize("family", ["sm90_tf32", "sm90_3xtf32"])
+def test_piped_plans_repeat_and_loop(family):
+    """The piped instances' plans: a repeated signature runs from its kept plan (new tile
+    images per call) and gives each call its own result; batch axes that do not collapse
+    into three (k and v transposed among four batch axes) run as launch loops, preparation
+    included. Each result bit for bit the per-block instance's with the same tiles."""
+    cp = _cp()
+    per_block = _dispatch.Sm90Tiles(128, 32, stages=1)
+    piped = dataclasses.replace(per_block, prepare_from=1, piped=_dispatch.PipedTiles(
+        128, 32, 2, v_slots=1) if family == "sm90_3xtf32" else _dispatch.PipedTiles(128, 32, 2))
+    kw = {"precision": "tf32"} if family == "sm90_tf32" else {}
+    rng = np.random.default_rng(11)
+    for attempt in range(3):  # the first call plans, the others repeat it
+        q, k, v = (cp.asarray(_rand(rng, (2, 3, 150, 64), np.float32)) for _ in range(3))
+        want = _attention(q, k, v, kernel=family, tiles=per_block, causal=True, **kw)
+        got = _attention(q, k, v, kernel=family, tiles=piped, causal=True, **kw)
+        assert bool(cp.array_equal(want, got)), attempt
+    q = cp.asarray(_rand(rng, (2, 3, 2, 3, 70, 64), np.float32))
+    k, v = (cp.asarray(_rand(rng, (3, 2, 3, 2, 90, 64), np.float32)).transpose(1, 0, 3, 2, 4, 5)
+            for _ in range(2))
+    want = _attention(q, k, v, kernel=family, tiles=per_block, **kw)
+    got = _attention(q, k, v, kernel=family, tiles=piped, **kw)
+    assert bool(cp.array_equal(want, got))
+    ref, _ = attention_reference(*(to_host(x) for x in (q, k, v)), **kw)
+    assert_accurate(to_host(got), ref, naive_attention(*(to_host(x) for x in (q, k, v)), **kw))
+
+
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
