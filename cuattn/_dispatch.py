@@ -272,11 +272,11 @@ class Sm90Tiles:
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
     stages: int = 2  # tile buffers: of K and V (16-bit kernel), of K (float kernel)
-    #: float kernel, "tf32": from this many query rows on (0: never; under a causal or
-    #: window band half the rows count, since each key tile then serves about half the
-    #: query blocks) the piped instance with tiles ``piped`` serves the call: K and V^T are
-    #: prepared once per call as tile images (tf32_image_k, tf32_image_vt), which the
-    #: preparation's fixed cost must win back
+    #: float kernel ("tf32" and "highest"): from this many query rows on (0: never; under
+    #: a causal or window band half the rows count, since each key tile then serves about
+    #: half the query blocks) the piped instance with tiles ``piped`` serves the call: K and
+    #: V^T are prepared once per call as tile images (tf32_image_k, tf32_image_vt; split
+    #: into hi and lo parts for "highest"), which the preparation's fixed cost must win back
     prepare_from: int = 0
     piped: PipedTiles | None = None
 

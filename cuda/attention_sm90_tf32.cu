@@ -594,8 +594,12 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
 // own barriers, since Q is held twice (128 KB) and a K tile and a V^T tile are each needed
 // at a different time: S(t) reads K slot t % K_SLOTS, P V(t) one turn later reads V^T slot
 // t % V_SLOTS; the producer requests K(t + 1) before V^T(t). Per turn a warpgroup issues
-// P V(t - 1) into fresh accumulators (added to O once done, as in the per-block kernel) and
-// S(t) = [Q_hi K_hi^T | Q_hi K_lo^T] + Q_lo K_hi^T, then runs the softmax of tile t.
+// P V(t - 1) into fresh accumulators and passes the turn at once (the turns order only the
+// P V issues, so the other warpgroup's P V queues behind this one's); once its P V is done
+// it adds it to O (as in the per-block kernel), issues S(t) = [Q_hi K_hi^T | Q_hi K_lo^T] +
+// Q_lo K_hi^T and runs the softmax of tile t under the other warpgroup's products. Results
+// are bit for bit those of the per-block split instance with the same 128-row blocks and
+// key tiles (docs/kernels.rst, thirteenth session: the schedule and its measurement).
 // Shared mem: (2 * 2 * 64 * HEAD_DIM + K_SLOTS * 2 * BLOCK_N * HEAD_DIM + V_SLOTS * 2 *
 // HEAD_DIM_V * BLOCK_N) * 4 bytes + 16 * (K_SLOTS + V_SLOTS) bytes of barriers.
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int K_SLOTS,
