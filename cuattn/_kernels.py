@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
            "ATTN_PARAMS_DTYPE", "attn_params", "attn_params_tail", "ATTN_BWD_PARAMS_DTYPE",
            "pack_attn_bwd_params", "TF32_PREP_DTYPE", "c_type_name", "require_cupy",
-           "ForwardLaunch", "Tf32PrepLaunch"]
+           "KeptLaunch", "ForwardLaunch", "Tf32PrepLaunch"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -202,33 +202,44 @@ def attn_params(pointers: list[int], tail: bytes) -> np.void:
     return np.frombuffer(_POINTERS_STRUCT.pack(*pointers) + tail, ATTN_PARAMS_DTYPE)[0]
 
 
-class ForwardLaunch:
-    """One forward launch of a call signature: kernel, grid, block, shared memory and the
-    AttnParams block without its pointers, launched through ``cuLaunchKernel`` with the
-    block kept here, so that a call writes its seven pointers and launches (about 5 us less
-    than CuPy's launch, which converts and packs every argument each call; PERF.md's host
+class KeptLaunch:
+    """One launch of a call signature: kernel, grid, block, shared memory and the kernel's
+    parameter block, kept here with its leading pointers written per call
+    (``pointer_struct``) and launched through ``cuLaunchKernel`` (about 5 us less than
+    CuPy's launch, which converts and packs every argument each call; PERF.md's host
     overhead). The kernel is the one loaded for the current device; the caller keeps one
     per device. Thread-safe: the pointers are written and launched under a lock, and the
     driver copies the block before the launch returns."""
 
-    def __init__(self, kernel, grid: int, threads: int, shared_mem: int, tail: bytes):
+    def __init__(self, kernel, grid: tuple[int, int], threads: int, shared_mem: int,
+                 block: bytes, pointer_struct: struct.Struct):
         from cupy_backends.cuda.api import driver
         self._launch = driver.launchKernel
         self._function = kernel.kernel.ptr
-        self._block = np.zeros(ATTN_PARAMS_DTYPE.itemsize // 8, np.int64)
+        self._block = np.zeros(-(-len(block) // 8), np.int64)
         self._bytes = memoryview(self._block).cast("B")
-        self._bytes[_POINTERS_STRUCT.size:] = tail
+        self._bytes[:len(block)] = block
+        self._pack = pointer_struct.pack_into
         self._argv = np.array([self._block.ctypes.data], np.int64)  # void* kernelParams[1]
         self._argv_ptr = self._argv.ctypes.data
-        self._dims = (grid, threads, shared_mem)
+        self._dims = (*grid, threads, shared_mem)
         self._lock = threading.Lock()
 
     def __call__(self, pointers, stream_ptr: int) -> None:
-        grid, threads, shared_mem = self._dims
+        grid_x, grid_y, threads, shared_mem = self._dims
         with self._lock:
-            _POINTERS_STRUCT.pack_into(self._bytes, 0, *pointers)
-            self._launch(self._function, grid, 1, 1, threads, 1, 1, shared_mem, stream_ptr,
-                         self._argv_ptr, 0)
+            self._pack(self._bytes, 0, *pointers)
+            self._launch(self._function, grid_x, grid_y, 1, threads, 1, 1, shared_mem,
+                         stream_ptr, self._argv_ptr, 0)
+
+
+class ForwardLaunch(KeptLaunch):
+    """A forward kernel's :class:`KeptLaunch`: the AttnParams block from its packed tail
+    (:func:`attn_params_tail`), a call writing its seven pointers."""
+
+    def __init__(self, kernel, grid: int, threads: int, shared_mem: int, tail: bytes):
+        super().__init__(kernel, (grid, 1), threads, shared_mem,
+                         bytes(_POINTERS_STRUCT.size) + tail, _POINTERS_STRUCT)
 
 
 #: The backward's parameter block, ``AttnBwdParams`` in ``cuda/common.cuh``: the forward's
@@ -264,29 +275,15 @@ TF32_PREP_DTYPE = np.dtype(
                              "src_rows", "src_cols")]
     + [("src_s", _STRIDES_DTYPE)], align=True)
 _TF32_PREP_STRUCT = struct.Struct("<14q")
+_TF32_PREP_POINTERS = struct.Struct("<2q")  # its leading src and dst
 assert _TF32_PREP_STRUCT.size == TF32_PREP_DTYPE.itemsize
 
 
-class Tf32PrepLaunch:
-    """One tf32_image_k / tf32_image_vt launch of a call signature, as
-    :class:`ForwardLaunch`: the Tf32Prep block from its 14 integer fields in declaration
-    order (the source's five strides last), kept, with its two pointers (source, images)
-    written per call."""
+class Tf32PrepLaunch(KeptLaunch):
+    """One tf32_image_k / tf32_image_vt :class:`KeptLaunch` (256 threads per block): the
+    Tf32Prep block from its 14 integer fields in declaration order (the source's five
+    strides last), a call writing its two pointers (source, images)."""
 
     def __init__(self, kernel, grid: tuple[int, int], fields: list[int]):
-        from cupy_backends.cuda.api import driver
-        self._launch = driver.launchKernel
-        self._function = kernel.kernel.ptr
-        self._block = np.zeros(TF32_PREP_DTYPE.itemsize // 8, np.int64)
-        _TF32_PREP_STRUCT.pack_into(memoryview(self._block).cast("B"), 0, 0, 0, *fields[2:])
-        self._argv = np.array([self._block.ctypes.data], np.int64)
-        self._argv_ptr = self._argv.ctypes.data
-        self._grid = grid
-        self._lock = threading.Lock()
-
-    def __call__(self, src: int, dst: int, stream_ptr: int) -> None:
-        with self._lock:
-            self._block[0], self._block[1] = src, dst
-            self._launch(self._function, self._grid[0], self._grid[1], 1, 256, 1, 1, 0,
-                         stream_ptr, self._argv_ptr, 0)
-
+        super().__init__(kernel, grid, 256, 0, _TF32_PREP_STRUCT.pack(*fields),
+                         _TF32_PREP_POINTERS)

@@ -493,8 +493,8 @@ def _prepared_plan(call: AttentionCall, choice, out, lse):
     for x, (images, _), prep in zip((call.k, call.v), entries, preps):
         if prep is not None:
             prep_launch, prep_sets = prep
-            for src, dst in prep_sets or [(x.data.ptr, images.data.ptr)]:
-                prep_launch(src, dst, stream)
+            for pointers in prep_sets or [(x.data.ptr, images.data.ptr)]:
+                prep_launch(pointers, stream)
     if pointer_sets is None:
         arrays = list(_forward_arrays(call, out, lse))
         arrays[1:3] = [x for x, _ in entries]
@@ -517,8 +517,8 @@ class _PreparedLaunch:
         k_images = self._ndarray(self._shapes[0], np.float32)
         vt_images = self._ndarray(self._shapes[1], np.float32)
         k_ptr, vt_ptr = k_images.data.ptr, vt_images.data.ptr
-        self._preps[0](pointers[1], k_ptr, stream_ptr)
-        self._preps[1](pointers[2], vt_ptr, stream_ptr)
+        self._preps[0]((pointers[1], k_ptr), stream_ptr)
+        self._preps[1]((pointers[2], vt_ptr), stream_ptr)
         self._launch([pointers[0], k_ptr, vt_ptr, *pointers[3:]], stream_ptr)
 
 

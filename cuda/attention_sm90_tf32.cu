@@ -458,11 +458,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     if (threadIdx.x == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, NUM_WG * 4);
-        }
+        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4);
         fence_mbar_init();
     }
     __syncthreads();  // the barriers ready for everyone: the first tiles' copies start now
@@ -633,16 +629,8 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
     const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
 
     if (threadIdx.x == 0) {
-#pragma unroll
-        for (int s = 0; s < K_SLOTS; ++s) {
-            mbar_init(full_k + 8 * s, 1);
-            mbar_init(empty_k + 8 * s, NUM_WG * 4);
-        }
-#pragma unroll
-        for (int s = 0; s < V_SLOTS; ++s) {
-            mbar_init(full_v + 8 * s, 1);
-            mbar_init(empty_v + 8 * s, NUM_WG * 4);
-        }
+        init_slot_barriers<K_SLOTS>(full_k, empty_k, NUM_WG * 4);
+        init_slot_barriers<V_SLOTS>(full_v, empty_v, NUM_WG * 4);
         fence_mbar_init();
     }
     __syncthreads();

@@ -61,6 +61,18 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
 __device__ __forceinline__ void fence_mbar_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// The barriers of SLOTS tile slots, 8 bytes apart from `full` and from `empty`: `full`
+// completes with one arrival (the producer's, with the copies' bytes), `empty` with one
+// arrival per consumer warp (each releasing the slot once its products are done).
+template <int SLOTS>
+__device__ __forceinline__ void init_slot_barriers(unsigned full, unsigned empty,
+                                                   unsigned consumer_warps) {
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+        mbar_init(full + 8 * s, 1);
+        mbar_init(empty + 8 * s, consumer_warps);
+    }
+}
 // One arrival that also announces `bytes` of bulk copies completing on this phase.
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
