@@ -177,8 +177,12 @@ __device__ __forceinline__ long long batch_offset(const Strides& s, long long b,
 // causal band: heavy_last says it is the last one (query blocks, bottom-right aligned) rather
 // than the first (key blocks). Without a band every block costs the same and the row blocks
 // of one batch entry run side by side, sharing K and V in L2. With a band (banded: causal or
-// window) the row blocks are dealt by cost across all batch entries, costliest first, so
-// the last wave holds only the cheapest blocks instead of a late heavy one.
+// window) the entries are taken in groups of BAND_GROUP_BLOCKS blocks (at least one entry),
+// and within a group the row blocks are dealt by cost across its entries, costliest first:
+// the last wave holds only cheap blocks instead of a late heavy one, and the blocks in
+// flight read the K and V of one or two groups, not of every entry (L2; docs/kernels.rst,
+// fourteenth session).
+constexpr long long BAND_GROUP_BLOCKS = 1024;
 struct BlockCoords {
     long long row_block, col_tile, b;
 };
@@ -188,9 +192,13 @@ __device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
     const long long idx = blockIdx.x;
     long long rank, rest;
     if (banded) {
-        const long long per_rank = gridDim.x / num_row_blocks;  // column tiles x batch
-        rank = idx / per_rank;
-        rest = idx % per_rank;
+        const long long entries = gridDim.x / num_row_blocks;  // column tiles x batch
+        const long long group = max(1LL, BAND_GROUP_BLOCKS / num_row_blocks);
+        const long long first = idx / (group * num_row_blocks) * group;  // of idx's group
+        const long long in_group = min(group, entries - first);
+        const long long j = idx - first * num_row_blocks;
+        rank = j / in_group;
+        rest = first + j % in_group;
     } else {
         rank = idx % num_row_blocks;
         rest = idx / num_row_blocks;

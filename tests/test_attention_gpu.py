@@ -224,6 +224,44 @@ def test_piped_plans_repeat_and_loop(family):
     assert_accurate(to_host(got), ref, naive_attention(*(to_host(x) for x in (q, k, v)), **kw))
 
 
+#: the banded-grid test's variants: every family with its table's tiles, and the piped
+#: instances forced at its short sequences
+BANDED_VARIANTS = [(f, None) for f in FAMILY_NAMES] + [
+    ("sm90_tf32", dataclasses.replace(_dispatch.Sm90Tiles(128, 64), prepare_from=1,
+                                      piped=_dispatch.PipedTiles(192, 64, 2))),
+    ("sm90_3xtf32", dataclasses.replace(_dispatch.Sm90Tiles(128, 32, stages=1), prepare_from=1,
+                                        piped=_dispatch.PipedTiles(128, 32, 2, v_slots=1)))]
+
+
+@pytest.mark.parametrize("band", [{"causal": True}, {"window": (100, 30)}])
+@pytest.mark.parametrize("family,tiles", BANDED_VARIANTS)
+def test_banded_grids_cover_every_block(family, tiles, band):
+    """Under a band the grid deals the row blocks costliest first within groups of batch
+    entries (block_coords, common.cuh: groups of about 1024 blocks). 600 entries of 256
+    query rows make several groups and a partial last one for every row-block height the
+    families use (16 to 192 rows): every output row is written (the output poisoned first),
+    and each entry's out and lse are bit for bit those of a call on 100 entries (other
+    groups, other grid positions)."""
+    cp = _cp()
+    if tiles is not None and cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the piped instances are Hopper's (sm_90)")
+    dtype = _dtype_for(family)
+    kw = {**FAMILY_KW.get(family, {}), **band}
+    rng = np.random.default_rng(21)
+    q, k, v = (cp.asarray(_rand(rng, (6, 100, 256, 64), dtype)) for _ in range(3))
+    out = poison(cp.empty(q.shape, q.dtype))
+    got, lse = _attention(q, k, v, kernel=family, tiles=tiles, out=out, return_lse=True, **kw)
+    assert not bool(cp.isnan(got).any()) and not bool(cp.isnan(lse).any())
+    for i in range(6):
+        part, part_lse = _attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kernel=family,
+                                    tiles=tiles, return_lse=True, **kw)
+        assert bool(cp.array_equal(part, got[i:i + 1])), i
+        assert bool(cp.array_equal(part_lse, lse[i:i + 1])), i
+    ref, _ = attention_reference(*(to_host(x[5, 90:]) for x in (q, k, v)), **kw)
+    assert_accurate(to_host(got[5, 90:]), ref,
+                    naive_attention(*(to_host(x[5, 90:]) for x in (q, k, v)), **kw))
+
+
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
