@@ -870,21 +870,30 @@ class Sm90BwdTiles:
     dq_min_blocks: int = 1
     fused: bool = False  # one kernel, dQ added across key blocks in key order: slower
     #                      than the two kernels so far, reached only through explicit tiles
+    #: the overlapped forms (three stages): the next tile's S and dP are issued before this
+    #: tile's gradient products, so the element-wise part runs under them
+    dkdv_overlap: bool = False
+    dq_overlap: bool = False
 
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
 SM90_BACKWARD_TILES = (
-    (64, (Sm90BwdTiles(64, 64, 2, 3),),
+    (64, (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),),
      "H200 bf16 B4 H32 S4096 D64 (session 9, tools/sweep_backward.py --sm90, after "
      "p_and_ds_tile): 64-query dK/dV tiles capped at 2 blocks per SM, dQ at 3, 192.5 / 166.4 "
      "TFLOP/s (non-causal / causal); 32-query both capped at 3 (the session-6 choice) "
      "184.1 / 161.9, uncapped 169.9 / 146.4; 128-key dQ tiles 170.1 / 149.4; the fused "
-     "kernel (fused=True, 64-query tiles) 158.3 / 145.3"),
+     "kernel (fused=True, 64-query tiles) 158.3 / 145.3. Session 14, both kernels "
+     "overlapped (three stages): 197.8-200.0 / 180.1 against 190.1-191.0 / 175.3-175.4 "
+     "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9)"),
     (128, (Sm90BwdTiles(64, 64),),
      "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
      "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
      "223.9 / 199.1, 128-key dQ tiles 182.5 / 163.5 (64-query 205.9 / 179.9); the fused "
-     "kernel (32-query tiles) 174.0 / 159.2"),
+     "kernel (32-query tiles) 174.0 / 159.2. Session 14, the overlapped forms lose here: "
+     "64-query dK/dV overlapped spills (255 registers), dQ overlapped (three stages: one "
+     "block per SM) 222.1-222.4 / 204.3-204.5 against 268.1-269.3 / 245.7-246.3, 32-query "
+     "dK/dV overlapped 241.2-241.4 / 221.2-221.5"),
 )
 
 
@@ -894,8 +903,10 @@ def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int) -> tuple[in
     if tiles.fused:
         bm = tiles.block_m
         return (128 * (hd + hdv) + 3 * bm * (hd + hdv) + bm * 128) * 2 + 3 * 2 * bm * 4, 0
-    dkdv = (64 * (hd + hdv) + 2 * tiles.block_m * (hd + hdv)) * 2 + 2 * 2 * tiles.block_m * 4
-    dq = (64 + 2 * tiles.block_n) * (hd + hdv) * 2
+    dkdv_stages = 3 if tiles.dkdv_overlap else 2
+    dkdv = ((64 * (hd + hdv) + dkdv_stages * tiles.block_m * (hd + hdv)) * 2
+            + dkdv_stages * 2 * tiles.block_m * 4)
+    dq = (64 + (3 if tiles.dq_overlap else 2) * tiles.block_n) * (hd + hdv) * 2
     return dkdv, dq
 
 
@@ -922,9 +933,9 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     return BackwardChoice(
         "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}>",
+        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}>",
         f"attention_bwd_dq_sm90<{t}, {g_q}, {flags}, {tiles.block_n}, {al}, "
-        f"{tiles.dq_min_blocks}>",
+        f"{tiles.dq_min_blocks}, {str(tiles.dq_overlap).lower()}>",
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
 
 

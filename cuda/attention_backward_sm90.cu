@@ -33,9 +33,13 @@
 //             broadcast axes; the fused kernel takes G for dK, dV and GQ for dQ); BiasT;
 //             HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); the tile of the other
 //             sequence (BLOCK_M for dK/dV: 32, 64 or 128; BLOCK_N for dQ: 64 or 128; the
-//             fused kernel's query tile BLOCK_M: 32 or 64); ALIGNED; MIN_BLOCKS.
-// Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
-//             + 2*2*BLOCK_M*4 bytes;  dQ: (64 + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
+//             fused kernel's query tile BLOCK_M: 32 or 64); ALIGNED; MIN_BLOCKS; OVERLAP
+//             (the two kernels: the next tile's S and dP issued before this tile's
+//             gradient products, so that the element-wise part runs under them; three
+//             stages of the streamed tiles instead of two).
+// Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + S*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
+//             + S*2*BLOCK_M*4 bytes;  dQ: (64 + S*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes,
+//             S = 3 stages with OVERLAP, else 2;
 //             fused: (128*(HEAD_DIM+HEAD_DIM_V) + 3*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 128*BLOCK_M)*2 + 3*2*BLOCK_M*4 bytes, plus (global) a float scratch of
 //             BLOCK_M x HEAD_DIM per query tile and two int turn counters per query tile;
@@ -82,9 +86,9 @@ __device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse
 }  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS>
+          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {
-    constexpr int THREADS = 128, BLOCK_N = 64;
+    constexpr int THREADS = 128, BLOCK_N = 64, STAGES = OVERLAP ? 3 : 2;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_M == 32 || BLOCK_M == 64 || BLOCK_M == 128),
                   "wgmma shapes of wgmma.cuh");
@@ -94,10 +98,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);    // [64 x HEAD_DIM]
     T* v_s = k_s + BLOCK_N * HEAD_DIM;          // [64 x HEAD_DIM_V]
-    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [2][BLOCK_M x HEAD_DIM]
-    T* do_s = q_s + 2 * Q_ELEMS;                // [2][BLOCK_M x HEAD_DIM_V]
-    float* lse_s = reinterpret_cast<float*>(do_s + 2 * DO_ELEMS);  // [2][BLOCK_M], log2 units
-    float* delta_s = lse_s + 2 * BLOCK_M;                          // [2][BLOCK_M]
+    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [STAGES][BLOCK_M x HEAD_DIM]
+    T* do_s = q_s + STAGES * Q_ELEMS;           // [STAGES][BLOCK_M x HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(do_s + STAGES * DO_ELEMS);  // [STAGES][BLOCK_M], log2
+    float* delta_s = lse_s + STAGES * BLOCK_M;                          // [STAGES][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -108,6 +112,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
 
     const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
     const T *q = in.q, *k = in.k + n0 * p.k_s.row;
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
     const T *v = in.v + n0 * p.v_s.row, *dout = in.dout;
     const float *lse = in.lse, *delta = in.delta;
     const unsigned char* mask = in.mask;
@@ -129,8 +135,12 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
             q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, lse_s + st * BLOCK_M, delta_s + st * BLOCK_M,
             q, dout, lse, delta, bp, m0);
     };
-    if (m_lo < m_hi) request_q(m_lo, 0);
-    cp_async_commit();
+    const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
+#pragma unroll
+    for (int i = 0; i < (OVERLAP ? 1 : STAGES - 1); ++i) {  // K and V join the first group
+        if (i < tiles) request_q(m_lo + i * BLOCK_M, i);
+        cp_async_commit();
+    }
 
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
     zero(dk);
@@ -139,6 +149,63 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
     const ScoreConsts<float> consts(p);
 
+    if constexpr (OVERLAP) {
+        // tile t + 1's S^T and dP^T are issued before tile t's dV and dK, so that the
+        // element-wise part of each tile runs while the tensor cores do the previous tile's
+        // gradient products. wgmma groups in flight: [S dP (t + 1), dV dK (t)].
+        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];         // S^T, dP^T: keys x queries
+        unsigned p_a[BLOCK_M / 16][4], ds_a[BLOCK_M / 16][4];  // P^T, dS^T: A of dV, dK
+        auto q_tile = [&](int t) { return q_base + (t % STAGES) * Q_ELEMS * 2; };
+        auto do_tile = [&](int t) { return do_base + (t % STAGES) * DO_ELEMS * 2; };
+        // tile t has landed (requested one tile earlier) and every warp is done with tile
+        // t - 2 (its dV dK waited for in p_and_ds): tile t + 1 into that stage, S dP (t)
+        auto issue_scores = [&](int t) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            if (t + 1 < tiles) request_q(m_lo + (long long)(t + 1) * BLOCK_M, (t + 1) % STAGES);
+            cp_async_commit();
+            wgmma_fence();
+            product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile(t));
+            product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile(t));
+            wgmma_commit();
+        };
+        // S dP (t) done: P^T and dS^T of tile t; once dV dK (t - 1) are done, their fragments
+        auto p_and_ds = [&](int t) {
+            const long long m0 = m_lo + (long long)t * BLOCK_M;
+            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+            const float* lse_t = lse_s + (t % STAGES) * BLOCK_M;
+            const float* delta_t = delta_s + (t % STAGES) * BLOCK_M;
+            p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+                                          mask, bias, [&](int j, int e) {
+                                              const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                              return make_float2(lse_t[col], delta_t[col]);
+                                          });
+            wgmma_wait<0>();
+            pack_a<BLOCK_M, T>(p_a, s);
+            pack_a<BLOCK_M, T>(ds_a, dp);
+        };
+        auto issue_grads = [&](int t) {
+            product_ra<HEAD_DIM_V, BLOCK_M, T>(dv, p_a, do_tile(t));
+            product_ra<HEAD_DIM, BLOCK_M, T>(dk, ds_a, q_tile(t));
+            wgmma_commit();
+        };
+        fence_accumulators(dk);
+        fence_accumulators(dv);
+        if (tiles > 0) {
+            issue_scores(0);
+            wgmma_wait<0>();
+            for (int t = 0; t + 1 < tiles; ++t) {
+                p_and_ds(t);
+                issue_scores(t + 1);
+                issue_grads(t);
+                wgmma_wait<1>();  // S dP (t + 1) done (ptxas follows this count in straight code)
+            }
+            p_and_ds(tiles - 1);
+            issue_grads(tiles - 1);
+            wgmma_wait<0>();
+        }
+    } else {
     int stage = 0;
     for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
         if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
@@ -170,10 +237,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
         wgmma_wait<0>();
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
+    }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
-    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
     const long long row0 = n0 + warp * 16;
     store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
                float(p.scale));
@@ -181,9 +247,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_N, bool ALIGNED, int MIN_BLOCKS>
+          int BLOCK_N, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const AttnBwdParams bp) {
-    constexpr int THREADS = 128, BLOCK_M = 64;
+    constexpr int THREADS = 128, BLOCK_M = 64, STAGES = OVERLAP ? 3 : 2;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
@@ -193,8 +259,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);   // [64 x HEAD_DIM]
     T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [64 x HEAD_DIM_V]
-    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [2][BLOCK_N x HEAD_DIM]
-    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N x HEAD_DIM_V]
+    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [STAGES][BLOCK_N x HEAD_DIM]
+    T* v_s = k_s + STAGES * K_ELEMS;           // [STAGES][BLOCK_N x HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -224,8 +290,12 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
                                                      p.seqlen_q - m0, p.head_dim_v,
                                                      Sw128<BLOCK_M>());
-    if (n_lo < n_hi) request_kv(n_lo, 0);
-    cp_async_commit();
+    const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
+#pragma unroll
+    for (int i = 0; i < (OVERLAP ? 1 : STAGES - 1); ++i) {  // Q and dO join the first group
+        if (i < tiles) request_kv(n_lo + i * BLOCK_N, i);
+        cp_async_commit();
+    }
 
     // this lane's two rows (g and g + 8 of the warp's 16)
     float lse_log2[2], dl[2];
@@ -241,6 +311,52 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
     const ScoreConsts<float> consts(p);
 
+    if constexpr (OVERLAP) {
+        // as the dK/dV kernel's overlapped form: key tile t + 1's S and dP are issued before
+        // tile t's dQ product; wgmma groups in flight: [S dP (t + 1), dQ (t)]
+        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+        unsigned ds_a[BLOCK_N / 16][4];  // dS: A of dQ
+        auto k_tile = [&](int t) { return k_base + (t % STAGES) * K_ELEMS * 2; };
+        auto issue_scores = [&](int t) {  // as in the dK/dV kernel: key tile t + 1 requested
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // Q, dO (first time) and key tile t are in shared memory
+            if (t + 1 < tiles) request_kv(n_lo + (long long)(t + 1) * BLOCK_N, (t + 1) % STAGES);
+            cp_async_commit();
+            wgmma_fence();
+            product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile(t));
+            product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_base + (t % STAGES) * V_ELEMS * 2);
+            wgmma_commit();
+        };
+        auto p_and_ds = [&](int t) {  // S dP (t) done: dS; once dQ (t - 1) is done, its fragments
+            const long long n0 = n_lo + (long long)t * BLOCK_N;
+            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+            p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                                           mask, bias, [&](int, int e) {
+                                               return make_float2(lse_log2[e / 2], dl[e / 2]);
+                                           });
+            wgmma_wait<0>();
+            pack_a<BLOCK_N, T>(ds_a, dp);
+        };
+        auto issue_dq = [&](int t) {
+            product_ra<HEAD_DIM, BLOCK_N, T>(dq, ds_a, k_tile(t));
+            wgmma_commit();
+        };
+        fence_accumulators(dq);
+        if (tiles > 0) {
+            issue_scores(0);
+            wgmma_wait<0>();
+            for (int t = 0; t + 1 < tiles; ++t) {
+                p_and_ds(t);
+                issue_scores(t + 1);
+                issue_dq(t);
+                wgmma_wait<1>();  // S dP (t + 1) done (ptxas follows this count in straight code)
+            }
+            p_and_ds(tiles - 1);
+            issue_dq(tiles - 1);
+            wgmma_wait<0>();
+        }
+    } else {
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
         if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
@@ -264,6 +380,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
         wgmma_commit();
         wgmma_wait<0>();
         __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
     }
     cp_async_wait<0>();
 

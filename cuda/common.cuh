@@ -189,22 +189,24 @@ struct BlockCoords {
 __device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
                                                     long long num_col_tiles, bool banded,
                                                     bool heavy_last) {
-    const long long idx = blockIdx.x;
-    long long rank, rest;
+    // 32-bit: a grid has fewer than 2^31 blocks (and 64-bit divisions cost registers)
+    const unsigned idx = blockIdx.x, rows = (unsigned)num_row_blocks;
+    unsigned rank, rest;
     if (banded) {
-        const long long entries = gridDim.x / num_row_blocks;  // column tiles x batch
-        const long long group = max(1LL, BAND_GROUP_BLOCKS / num_row_blocks);
-        const long long first = idx / (group * num_row_blocks) * group;  // of idx's group
-        const long long in_group = min(group, entries - first);
-        const long long j = idx - first * num_row_blocks;
+        const unsigned entries = gridDim.x / rows;  // column tiles x batch
+        const unsigned group = max(1u, (unsigned)BAND_GROUP_BLOCKS / rows);
+        const unsigned first = idx / (group * rows) * group;  // of idx's group
+        const unsigned in_group = min(group, entries - first);
+        const unsigned j = idx - first * rows;
         rank = j / in_group;
         rest = first + j % in_group;
     } else {
-        rank = idx % num_row_blocks;
-        rest = idx / num_row_blocks;
+        rank = idx % rows;
+        rest = idx / rows;
     }
-    return {heavy_last ? num_row_blocks - 1 - rank : rank, rest % num_col_tiles,
-            rest / num_col_tiles};
+    const unsigned cols = (unsigned)num_col_tiles;
+    return {heavy_last ? num_row_blocks - 1 - rank : (long long)rank, (long long)(rest % cols),
+            (long long)(rest / cols)};
 }
 
 // A tensor-core forward block's work and its batch entry's arrays: the row block (heaviest

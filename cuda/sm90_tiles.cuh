@@ -11,6 +11,7 @@
 // run on them unchanged.
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
+//   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
 //               makes them from accumulators, contraction permuted; tf32_split_fragments
 //               the hi and lo parts of the 3xTF32 split), B K-contiguous
@@ -136,15 +137,21 @@ __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_ti
     }
 }
 
-// acc (64 x N) += X Z with X (64 x ROWS) the T-rounded values of x (m16n8 layout, from
-// registers: the A fragments of each warp's 16 rows) and Z the first ROWS rows of the
-// Z_ROWS-row tile z_tile read N-contiguous (transposed descriptor): 16 rows (2048 bytes)
-// per step, 64-column groups Z_ROWS * 128 bytes apart. Fences and issues; the caller
-// commits and waits.
-template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
-__device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
-                                           unsigned z_tile) {
-    unsigned a[ROWS / 16][4];
+// Pins accumulator values where they stand: their definitions above (zeroing, say) may not
+// sink below this point, past a wgmma issued later while they would be defined (ptxas then
+// serializes the warpgroup's wgmmas: C7515).
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[d][e])::"memory");
+}
+
+// X (64 x ROWS, m16n8 layout in float registers: each warp's 16 rows) rounded to T as the
+// A fragments of product_ra: a[kk] holds columns 16 kk .. 16 kk + 15.
+template <int ROWS, typename T>
+__device__ __forceinline__ void pack_a(unsigned (&a)[ROWS / 16][4], const float (&x)[ROWS / 8][4]) {
 #pragma unroll
     for (int kk = 0; kk < ROWS / 16; ++kk) {
         a[kk][0] = mma::pack2<T>(x[2 * kk][0], x[2 * kk][1]);
@@ -152,10 +159,28 @@ __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (
         a[kk][2] = mma::pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
         a[kk][3] = mma::pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
     }
+}
+
+// acc (64 x N) += X Z with X (64 x ROWS) given as A fragments (pack_a) and Z the first
+// ROWS rows of the Z_ROWS-row tile z_tile read N-contiguous (transposed descriptor): 16 rows
+// (2048 bytes) per step, 64-column groups Z_ROWS * 128 bytes apart. Fences and issues; the
+// caller commits and waits, and keeps `a` unchanged until the product is done.
+template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
+__device__ __forceinline__ void product_ra(float (&acc)[N / 8][4], const unsigned (&a)[ROWS / 16][4],
+                                           unsigned z_tile) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < ROWS / 16; ++kk)
         Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, Z_ROWS * 128), 1);
+}
+
+// acc (64 x N) += X Z as product_ra, X from float registers (rounded to T here).
+template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
+__device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
+                                           unsigned z_tile) {
+    unsigned a[ROWS / 16][4];
+    pack_a<ROWS, T>(a, x);
+    product_ra<N, ROWS, T, Z_ROWS>(acc, a, z_tile);
 }
 
 // Where key n sits along the contraction of P V in product_rs_tf32 when P's fragments come

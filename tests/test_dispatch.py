@@ -241,7 +241,7 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 def test_backward_families_and_tiles():
     assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
     d128 = backward(BF16, 128)                               # 64-query dK/dV tiles at D128
-    assert d128.family == "sm90" and ", 128, 128, 64, true, 1>" in d128.dkdv
+    assert d128.family == "sm90" and ", 128, 128, 64, true, 1, false>" in d128.dkdv
     assert backward(BF16, 256).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
@@ -327,14 +327,19 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.smem_dkdv == (128 * 128 + 3 * 64 * 128 + 64 * 128) * 2 + 3 * 2 * 64 * 4
     # the table's two kernels: one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all
     # columns in one block (64-query tiles in dK/dV; at D64 dK/dV capped at 2 blocks per SM,
-    # dQ at 3)
+    # dQ at 3, both overlapped: three stages of the streamed tiles)
     choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
-                           "cuattn::NoBias, false, 64, 64, 64, true, 2>")
+                           "cuattn::NoBias, false, 64, 64, 64, true, 2, true>")
     assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
-                         "cuattn::NoBias, false, 64, 64, 64, true, 3>")
+                         "cuattn::NoBias, false, 64, 64, 64, true, 3, true>")
     assert choice.threads_dkdv == choice.threads_dq == 128
     assert choice.dkdv_rows == choice.dq_rows == 64 and choice.col_tile == 64
+    assert choice.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
+    assert choice.smem_dq == (64 + 3 * 64) * 128 * 2
+    # without the overlap: two stages
+    choice = backward(BF16, 40, tiles=d.Sm90BwdTiles(64, 64, 2, 3))
+    assert choice.dkdv.endswith(", 64, true, 2, false>") and choice.dq.endswith(", 3, false>")
     assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
     from cuattn._kernels import nvrtc_options
