@@ -135,7 +135,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from cuattn.check import run_check
+    from cuattn.check import run_check, run_gate
+    if args.gate:
+        return run_gate(args.arch, tuple(args.match or ()))
     return run_check(quick=args.quick)
 
 
@@ -157,6 +159,12 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="correctness matrix of the GPU kernels "
                                      "(honours CUATTN_KERNEL_DIR)")
     c.add_argument("--quick", action="store_true", help="fewer shapes")
+    c.add_argument("--gate", action="store_true",
+                   help="no GPU: compile the instances dispatch can pick and report ptxas's "
+                        "registers, spills, stack and wgmma serialization")
+    c.add_argument("--arch", default="sm_90", help="with --gate: sm_80, sm_86 or sm_90")
+    c.add_argument("--match", action="append",
+                   help="with --gate: keep instances whose file or name has this word")
     c.set_defaults(fn=cmd_check)
     args = parser.parse_args(argv)
     return args.fn(args)

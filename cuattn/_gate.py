@@ -2,8 +2,8 @@
 
 Used by the tests (``tests/test_gate.py``) and ``python -m cuattn check --gate``. Compiles
 through ``cuda.bindings.nvrtc`` with the options the runtime uses (ours from
-``_kernels.nvrtc_options`` plus the three CuPy appends) and returns the registers, spill
-bytes and stack frame per instance.
+``_kernels.nvrtc_options`` plus the CuPy appends) and returns the registers, spill bytes,
+stack frame and ptxas's log per instance.
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from ._kernels import nvrtc_options, read_source
 CUPY_APPENDS = ("-ftz=true", "--device-as-default-execution-space")
 _USAGE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# ptxas's C75xx notes that it serialized a kernel's warpgroup MMAs (each one waited for
+# before the next issues): correct, and far slower
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized")
 
 
 @dataclass
@@ -32,6 +35,16 @@ class Resources:
     @property
     def spills(self) -> bool:
         return self.spill_stores > 0 or self.spill_loads > 0
+
+    @property
+    def wgmma_serialized(self) -> bool:
+        """ptxas serialized the instance's warpgroup MMAs (a C75xx note in the log)."""
+        return bool(_SERIALIZED.search(self.log))
+
+    @property
+    def clean(self) -> bool:
+        """What a fast instance must be: no spills, no stack frame, no serialized wgmma."""
+        return not self.spills and self.stack_frame == 0 and not self.wgmma_serialized
 
 
 def cuda_include_dir() -> str | None:

@@ -3,7 +3,10 @@
 Copy ``cuda/`` somewhere, edit a kernel, and run
 ``CUATTN_KERNEL_DIR=that/folder python -m cuattn check``: every GPU family × dtype × feature
 on a few ragged shapes, against the float64 reference with the accuracy rule, printing what
-passed, what failed and by how much.
+passed, what failed and by how much. ``check --gate`` needs no GPU: it compiles the
+instances dispatch can pick for one architecture (``--match`` keeps those whose name has a
+given word) and prints ptxas's registers, spills and stack frame, and whether it serialized
+the warpgroup MMAs; fast instances (no mask, no bias, aligned) must have none of those.
 """
 from __future__ import annotations
 
@@ -76,3 +79,31 @@ def run_check(quick: bool = False) -> int:
                     kw = FEATURES[fname]
     print(f"{failures} failure(s); {time.perf_counter() - t0:.1f} s")
     return 1 if failures else 0
+
+
+def run_gate(arch: str = "sm_90", match: tuple[str, ...] = ()) -> int:
+    """Compile the instances dispatch can pick on ``arch`` (those whose file or name has
+    every word of ``match``) and print their resources; 1 if a fast one is not clean."""
+    from ._dispatch import GATE_TARGETS, backward_instances, forward_instances
+    from ._gate import compile_instance
+    from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
+    if arch not in GATE_TARGETS:
+        print(f"unknown architecture {arch!r}; one of {', '.join(GATE_TARGETS)}")
+        return 2
+    instances = ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
+                 + forward_instances(arch) + backward_instances(arch))
+    instances = [i for i in instances if all(w in f"{i[0]} {i[1]}" for w in match)]
+    print(f"{'regs':>4s} {'stack':>5s} {'spill st/ld':>11s} {'wgmma':>10s}  fast  "
+          f"instance ({arch})")
+    bad, t0 = 0, time.perf_counter()
+    for filename, expr, fast in instances:
+        res = compile_instance(filename, expr, arch)
+        flag = "serialized" if res.wgmma_serialized else "-"
+        failed = fast and not res.clean
+        bad += failed
+        print(f"{res.registers:4d} {res.stack_frame:5d} {res.spill_stores:5d}/"
+              f"{res.spill_loads:<5d} {flag:>10s}  {'yes ' if fast else 'no  '}  {expr} "
+              f"({filename})" + ("  <- FAIL" if failed else ""), flush=True)
+    print(f"{len(instances)} instances, {bad} fast ones not clean, "
+          f"{time.perf_counter() - t0:.0f} s")
+    return 1 if bad else 0

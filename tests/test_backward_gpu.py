@@ -364,8 +364,9 @@ def test_sm90_overlapped_forms(dtype, head, case):
     """Accurate, and the gradients of the same tiles without the overlap to within two units
     in the last place of T (the same products in the same order; the two instances' code
     may contract a multiply and an add differently: at bf16 B4 H32 S4096 D64, 4 to 25 of
-    33 million elements differed, by at most 2.4e-4 in gradients up to 0.41), over the fused form's band and mask cases and
-    long ones (many query and key tiles: every stage of the ring refilled many times)."""
+    33 million elements differed, by at most 2.4e-4 in gradients up to 0.41), over the
+    fused form's band and mask cases and long ones (many query and key tiles: every stage
+    of the ring refilled many times)."""
     _needs_sm90()
     overlap, plain = OVERLAP_TILES[head]
     sq, sk, kw = OVERLAP_CASES[case]

@@ -18,3 +18,15 @@ def test_demo_checks_against_float64():
     res = _run("demo")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "197 tokens" in res.stdout and " ok" in res.stdout
+
+
+def test_check_gate_compiles_without_a_gpu():
+    res = _run("check", "--gate", "--arch", "sm_90", "--match", "attention_bwd_delta<__half>",
+               "--match", "attention_backward_sm90.cu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(x for x in res.stdout.splitlines() if "attention_bwd_delta<__half>" in x)
+    regs, stack = (int(v) for v in line.split()[:2])
+    assert regs > 0 and stack == 0 and "yes" in line and "FAIL" not in line
+    assert "1 instances, 0 fast ones not clean" in res.stdout
+    res = _run("check", "--gate", "--arch", "sm_75")
+    assert res.returncode == 2 and "unknown architecture" in res.stdout

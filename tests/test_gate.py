@@ -1,5 +1,6 @@
 """The NVRTC resource gate: every kernel instance that dispatch can pick compiles for sm_80
-and sm_90 without a GPU, and the fast ones do not spill."""
+and sm_90 without a GPU, and the fast ones do not spill, use no stack frame and keep their
+warpgroup MMAs unserialized."""
 import pytest
 
 from cuattn._dispatch import GATE_TARGETS, backward_instances, forward_instances
@@ -19,6 +20,7 @@ def test_instance_compiles_without_spills(arch, filename, expr, fast):
     if fast:
         assert not res.spills, f"{expr} spills on {arch}:\n{res.log}"
         assert res.stack_frame == 0, f"{expr} uses a stack frame on {arch}:\n{res.log}"
+        assert not res.wgmma_serialized, f"{expr}: ptxas serialized its wgmma:\n{res.log}"
 
 
 def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
