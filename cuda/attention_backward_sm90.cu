@@ -206,37 +206,38 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
             wgmma_wait<0>();
         }
     } else {
-    int stage = 0;
-    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
-        if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();   // all but the group just issued have landed ...
-        fence_proxy_async();  // ... are visible to the tensor cores ...
-        __syncthreads();      // ... for every thread: K, V (first time), this query tile
-        const unsigned q_tile = q_base + stage * Q_ELEMS * 2, do_tile = do_base + stage * DO_ELEMS * 2;
-        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
-        wgmma_fence();
-        product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile);
-        product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-        const float* lse_t = lse_s + stage * BLOCK_M;
-        const float* delta_t = delta_s + stage * BLOCK_M;
-        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior, mask,
-                                      bias, [&](int j, int e) {
-                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                                          return make_float2(lse_t[col], delta_t[col]);
-                                      });
-        // one product in flight at a time: its A fragments stay live until it completes
-        product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        product_rs<HEAD_DIM, BLOCK_M, T>(dk, dp, q_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        __syncthreads();  // this stage is consumed before the next iteration refills it
-    }
+        int stage = 0;
+        for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
+            if (m0 + BLOCK_M < m_hi) request_q(m0 + BLOCK_M, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();   // all but the group just issued have landed ...
+            fence_proxy_async();  // ... are visible to the tensor cores ...
+            __syncthreads();      // ... for every thread: K, V (first time), this query tile
+            const unsigned q_tile = q_base + stage * Q_ELEMS * 2;
+            const unsigned do_tile = do_base + stage * DO_ELEMS * 2;
+            float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+            wgmma_fence();
+            product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile);
+            product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+            const float* lse_t = lse_s + stage * BLOCK_M;
+            const float* delta_t = delta_s + stage * BLOCK_M;
+            p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+                                          mask, bias, [&](int j, int e) {
+                                              const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                              return make_float2(lse_t[col], delta_t[col]);
+                                          });
+            // one product in flight at a time: its A fragments stay live until it completes
+            product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            product_rs<HEAD_DIM, BLOCK_M, T>(dk, dp, q_tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            __syncthreads();  // this stage is consumed before the next iteration refills it
+        }
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
@@ -357,30 +358,31 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
             wgmma_wait<0>();
         }
     } else {
-    int stage = 0;
-    for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
-        if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
-        const unsigned k_tile = k_base + stage * K_ELEMS * 2, v_tile = v_base + stage * V_ELEMS * 2;
-        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        wgmma_fence();
-        product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile);
-        product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask,
-                                       bias, [&](int, int e) {
-                                           return make_float2(lse_log2[e / 2], dl[e / 2]);
-                                       });
-        product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        __syncthreads();  // this stage is consumed before the next iteration refills it
-    }
+        int stage = 0;
+        for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
+            if (n0 + BLOCK_N < n_hi) request_kv(n0 + BLOCK_N, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            fence_proxy_async();
+            __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
+            const unsigned k_tile = k_base + stage * K_ELEMS * 2;
+            const unsigned v_tile = v_base + stage * V_ELEMS * 2;
+            float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+            wgmma_fence();
+            product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile);
+            product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+            p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                                           mask, bias, [&](int, int e) {
+                                               return make_float2(lse_log2[e / 2], dl[e / 2]);
+                                           });
+            product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            __syncthreads();  // this stage is consumed before the next iteration refills it
+        }
     }
     cp_async_wait<0>();
 
