@@ -72,6 +72,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
     const T *q = in.q, *k = in.k + n0 * p.k_s.row;
     const T *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
     const float *lse = in.lse, *delta = in.delta;
     const unsigned char* mask = in.mask;
     const BiasT* bias = in.bias;
@@ -157,8 +159,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
-    G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
     const long long row0 = n0 + warp * 16;
     if (has_dk)
         store_tile(dk[0], dk_out + c0 * bp.dk_s.col, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k,
