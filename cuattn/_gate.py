@@ -88,3 +88,12 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
         raise RuntimeError(f"no ptxas report for {name_expression} ({arch}):\n{log}")
     return Resources(name_expression, arch, int(usage.group(1)), int(spill.group(1)),
                      int(spill.group(2)), int(spill.group(3)), log)
+
+
+def gate_instances(arch: str) -> list[tuple[str, str, bool]]:
+    """(filename, name expression, fast) of every instance the gate compiles for ``arch``:
+    vector_add's, and every forward and backward instance dispatch can pick."""
+    from ._dispatch import backward_instances, forward_instances
+    from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
+    return ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
+            + forward_instances(arch) + backward_instances(arch))

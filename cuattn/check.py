@@ -84,15 +84,12 @@ def run_check(quick: bool = False) -> int:
 def run_gate(arch: str = "sm_90", match: tuple[str, ...] = ()) -> int:
     """Compile the instances dispatch can pick on ``arch`` (those whose file or name has
     every word of ``match``) and print their resources; 1 if a fast one is not clean."""
-    from ._dispatch import GATE_TARGETS, backward_instances, forward_instances
-    from ._gate import compile_instance
-    from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
+    from ._dispatch import GATE_TARGETS
+    from ._gate import compile_instance, gate_instances
     if arch not in GATE_TARGETS:
         print(f"unknown architecture {arch!r}; one of {', '.join(GATE_TARGETS)}")
         return 2
-    instances = ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
-                 + forward_instances(arch) + backward_instances(arch))
-    instances = [i for i in instances if all(w in f"{i[0]} {i[1]}" for w in match)]
+    instances = [i for i in gate_instances(arch) if all(w in f"{i[0]} {i[1]}" for w in match)]
     print(f"{'regs':>4s} {'stack':>5s} {'spill st/ld':>11s} {'wgmma':>10s}  fast  "
           f"instance ({arch})")
     bad, t0 = 0, time.perf_counter()

@@ -3,13 +3,10 @@ and sm_90 without a GPU, and the fast ones do not spill, use no stack frame and 
 warpgroup MMAs unserialized."""
 import pytest
 
-from cuattn._dispatch import GATE_TARGETS, backward_instances, forward_instances
-from cuattn._gate import compile_instance
-from cuattn.elementwise import VECTOR_ADD_DTYPES, vector_add_instance
+from cuattn._dispatch import GATE_TARGETS
+from cuattn._gate import compile_instance, gate_instances
 
-VECTOR_ADD = [("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
-INSTANCES = [(arch, *inst) for arch in GATE_TARGETS
-             for inst in VECTOR_ADD + forward_instances(arch) + backward_instances(arch)]
+INSTANCES = [(arch, *inst) for arch in GATE_TARGETS for inst in gate_instances(arch)]
 
 
 @pytest.mark.parametrize("arch,filename,expr,fast", INSTANCES,
