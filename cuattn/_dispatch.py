@@ -94,6 +94,9 @@ class Tiles:
     d_tile: int    # largest contraction chunk; D <= d_tile keeps Q in shared memory
     dv_tile: int   # largest output-column tile; Dv > dv_tile splits the grid over Dv
     min_blocks: int
+    #: the warp-tiled form (attention_fwd_portable_warps: eight warps of 16 rows, block_m
+    #: 128; float32/float64 on sm_80+, head dims to 64, d_tile and dv_tile 64)
+    warps: bool = False
 
 
 #: Portable family: (dtypes, largest head dim, candidate tiles in order of preference, the
@@ -113,9 +116,11 @@ PORTABLE_TILES = (
      "fp32 D128, as above: 128x64 37.7 / 33.9, 128x32 31.6 / 29.1, 64x64 29.8 / 28.6 (before "
      "the cost-ordered causal grid)"),
     (("float64",), 64,
-     (Tiles(64, 64, 64, 64, 1), Tiles(32, 32, 64, 64, 1)),
-     "fp64 D64, one V buffer: 64x64 12.8 / 11.1, 128x32 11.7 / 9.0, 64x32 10.7 / 9.5 (the "
-     "H200 runs float64 on mma_f64)"),
+     (Tiles(128, 32, 64, 64, 1, warps=True), Tiles(64, 64, 64, 64, 1),
+      Tiles(32, 32, 64, 64, 1)),
+     "fp64 D64 (session 15, one run): the warp-tiled form 16.9 / 16.5 (where its 187 KB of "
+     "shared memory fit: sm_90), 64x64 13.5 / 13.4, 128x32 14.2 / 13.9, 64x32 11.2 / 11.3 "
+     "(the H200 runs float64 on mma_f64)"),
     (("float64",), 1024,
      (Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 32, 32, 1)),
      "fp64 D128, one V buffer: 64x32 13.0 / 11.8, 32x32 9.1 / 9.0; 64x64 does not fit"),
@@ -197,6 +202,10 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
                         pipelined: bool) -> int:
     """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
     pad = 16 // acc_itemsize
+    if tiles.warps:  # Q, two stages of K, three of V, P
+        return (tiles.block_m * (d_tile + pad) + 2 * tiles.block_n * (d_tile + pad)
+                + 3 * tiles.block_n * (dv_tile + pad)
+                + tiles.block_m * (tiles.block_n + pad)) * acc_itemsize
     if pipelined:
         kv = 2 * tiles.block_n * (d_tile + pad) + tiles.block_n * (dv_tile + pad)
     else:
@@ -217,7 +226,13 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     else:
         candidates = (tiles,)
 
+    if name not in ("float32", "float64") or cc < (8, 0) or head > 64:
+        # the warp-tiled form copies float tiles as they are by cp.async, head dims to 64
+        candidates = tuple(t for t in candidates if not t.warps)
+
     def layout(tiles):  # (d_tile, dv_tile, pipelined) of a candidate
+        if tiles.warps:
+            return _pow2_at_least(head_dim, 32), _pow2_at_least(head_dim_v, 32), True
         d_tile = min(_pow2_at_least(head_dim, 32), tiles.d_tile)
         dv_tile = min(_pow2_at_least(head_dim_v, 16 * vec), tiles.dv_tile)
         # cp.async double buffering (sm_80+) copies float32/float64 tiles as they are, when
@@ -233,6 +248,12 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
                              f"{name} with head dims {head_dim}, {head_dim_v}")
     d_tile, dv_tile, pipelined = layout(tiles)
     bias_t = _bias_type(bias_dtype)
+    if tiles.warps:
+        expr = (f"attention_fwd_portable_warps<{c_type_name(call_dtype)}, {bias_t}, "
+                f"{str(has_mask).lower()}, {d_tile}, {dv_tile}, {tiles.block_n}, "
+                f"{str(aligned).lower()}>")
+        return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile,
+                            smem)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "
             f"{str(has_mask).lower()}, {tiles.block_m}, {tiles.block_n}, {d_tile}, "
             f"{dv_tile}, {tiles.min_blocks}, {str(pipelined).lower()}, "
@@ -885,7 +906,8 @@ SM90_BACKWARD_TILES = (
      "184.1 / 161.9, uncapped 169.9 / 146.4; 128-key dQ tiles 170.1 / 149.4; the fused "
      "kernel (fused=True, 64-query tiles) 158.3 / 145.3. Session 14, both kernels "
      "overlapped (three stages): 197.8-200.0 / 180.1 against 190.1-191.0 / 175.3-175.4 "
-     "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9)"),
+     "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9). Session "
+     "15, the interior pass of p_and_ds_tile (not re-swept): 262.8 / 237.4 (bench)"),
     (128, (Sm90BwdTiles(64, 64),),
      "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
      "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
@@ -893,7 +915,8 @@ SM90_BACKWARD_TILES = (
      "kernel (32-query tiles) 174.0 / 159.2. Session 14, the overlapped forms lose here: "
      "64-query dK/dV overlapped spills (255 registers), dQ overlapped (three stages: one "
      "block per SM) 222.1-222.4 / 204.3-204.5 against 268.1-269.3 / 245.7-246.3, 32-query "
-     "dK/dV overlapped 241.2-241.4 / 221.2-221.5"),
+     "dK/dV overlapped 241.2-241.4 / 221.2-221.5. Session 15, the interior pass of "
+     "p_and_ds_tile (not re-swept): 323.1 / 278.8 (bench)"),
 )
 
 

@@ -46,11 +46,12 @@ using namespace cuattn::portable;
 // positions (outside the sequence, the causal/window band or the bool mask) become -inf.
 // `interior` (block-uniform) says the whole tile lies inside the sequences and the band
 // and no bool mask is read: then only the scaling (and bias) is applied.
-template <int TM, int TN, bool HAS_MASK, typename A, typename BiasT>
+// Element (i, j) of s is row row0 + ROW_STEP i, column c0 + COL_STEP j.
+template <int TM, int TN, bool HAS_MASK, int ROW_STEP = 1, int COL_STEP = 16, typename A,
+          typename BiasT>
 __device__ __forceinline__ void mask_scores(A (&s)[TM][TN], const AttnParams& p,
-                                            long long row0, long long col0, int tx,
-                                            bool interior, const unsigned char* mask,
-                                            const BiasT* bias) {
+                                            long long row0, long long c0, bool interior,
+                                            const unsigned char* mask, const BiasT* bias) {
     const A scale_log2 = A(p.scale * LOG2E);
     const A softcap = A(p.softcap);
     const A cap_over_scale = p.softcap > 0 ? A(p.scale / p.softcap) : A(0);
@@ -61,22 +62,24 @@ __device__ __forceinline__ void mask_scores(A (&s)[TM][TN], const AttnParams& p,
             for (int j = 0; j < TN; ++j) s[i][j] *= scale_log2;
         return;
     }
-    // Element (i, j) sits at row row0 + i, column c0 + 16 j (c0 = col0 + tx). The sequence
-    // ends and the band (in_window in common.cuh) become 32-bit limits on i, 16 j and
-    // 16 j - i, compared against compile-time constants in the loop.
-    const long long off = p.seqlen_k - p.seqlen_q, c0 = col0 + tx;
+    // The sequence ends and the band (in_window in common.cuh) become 32-bit limits on
+    // ROW_STEP i, COL_STEP j and their difference, compared against compile-time constants
+    // in the loop.
+    const long long off = p.seqlen_k - p.seqlen_q;
     auto clamp = [](long long x) { return (int)max(-(1LL << 30), min(x, 1LL << 30)); };
     const int rows_in = clamp(p.seqlen_q - row0), cols_in = clamp(p.seqlen_k - c0);
     const int band_hi = p.window_right < 0 ? (1 << 30) : clamp(row0 + off + p.window_right - c0);
     const int band_lo = p.window_left < 0 ? -(1 << 30) : clamp(row0 + off - p.window_left - c0);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-        const long long r = row0 + i;
+        const int ri = ROW_STEP * i;
+        const long long r = row0 + ri;
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
-            const long long c = c0 + 16 * j;
-            bool allowed = i < rows_in && 16 * j < cols_in && 16 * j - i <= band_hi &&
-                           16 * j - i >= band_lo;
+            const int cj = COL_STEP * j;
+            const long long c = c0 + cj;
+            bool allowed = ri < rows_in && cj < cols_in && cj - ri <= band_hi &&
+                           cj - ri >= band_lo;
             if constexpr (HAS_MASK)
                 if (allowed) allowed = mask[r * p.mask_s.row + c * p.mask_s.col] != 0;
             A x = s[i][j];
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
         const bool interior = !HAS_MASK && n0 + BLOCK_N <= p.seqlen_k && m0 + BLOCK_M <= p.seqlen_q &&
                               (p.window_left < 0 || n0 >= m_last + off - p.window_left) &&
                               (p.window_right < 0 || n0 + BLOCK_N - 1 <= m0 + off + p.window_right);
-        mask_scores<TM, TN, HAS_MASK>(s, p, r0, n0, tx, interior, mask, bias);
+        mask_scores<TM, TN, HAS_MASK>(s, p, r0, n0 + tx, interior, mask, bias);
         A alpha[TM];
         update_row_state(s, m, l, alpha);
 #pragma unroll
@@ -293,6 +296,206 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
                     out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
             }
         if (p.lse && dv_tile == 0 && tx == 0) {
+            A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
+        }
+    }
+}
+
+// ---- the warp-tiled form ---------------------------------------------------------------
+// attention_fwd_portable_warps: the same computation for float64 (and float32) with head
+// dims up to 64, arranged to feed the FMA pipe with as few shared-memory passes per FMA as
+// its registers allow (about half the DFMA peak on an H200: docs/kernels.rst, fifteenth
+// session, for what bounds it). Eight warps; each owns 16
+// query rows outright -- their scores, row state and P, which goes through a shared tile
+// private to the warp, so the two products need no block barrier between them. The block
+// shares Q (in shared memory for the whole loop) and the K and V tiles (cp.async; K in two
+// stages, V in three; one barrier per key tile). Lane (ly, lx) owns rows ly + 4 i of its
+// warp's 16 (i < 4), score columns lx + 8 j (j < BLOCK_N / 8) and output columns
+// (lx + 8 u) VEC + e: every shared-memory read of the inner loops is one 16-byte load per
+// lane without bank conflicts (four distinct Q or P rows, eight distinct K rows or one
+// contiguous 128 bytes of V), with the lanes placed so that pairs share addresses (below),
+// and row reductions are three shuffles.
+// Two groups of four warps, one warp of each on every scheduler, run the same steps half a
+// tile apart: between two barriers the early group does S = Q K^T, the softmax and P V of
+// key tile t; the late group the softmax and P V of tile t - 1 (its scores kept in
+// registers across the barrier), then S of tile t, so that one group's softmax (short on
+// FMAs, long on dependent latency) runs beside the other's products (measured: +6 % causal,
+// nothing non-causal; the softmax phase was not the main loss).
+// Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + 2*BLOCK_N*(HEAD_DIM+PAD) + 3*BLOCK_N*(HEAD_DIM_V+PAD)
+//             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T;
+//             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
+template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
+          int BLOCK_N, bool ALIGNED>
+__global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const AttnParams p) {
+    using A = Acc<T>;
+    static_assert(sizeof(T) == sizeof(A), "the cp.async pipeline copies T as is");
+    constexpr int VEC = 16 / sizeof(A), PAD = VEC;
+    constexpr int WARP_M = 16, BLOCK_M = WARP_M * THREADS / 32;
+    constexpr int RM = WARP_M / 4, TN = BLOCK_N / 8, TV = HEAD_DIM_V / 8;  // per lane
+    constexpr int QP = HEAD_DIM + PAD, VP = HEAD_DIM_V + PAD, PP = BLOCK_N + PAD;  // pitches
+    constexpr int K_ELEMS = BLOCK_N * QP, V_ELEMS = BLOCK_N * VP;
+    static_assert(HEAD_DIM % VEC == 0 && HEAD_DIM_V % (8 * VEC) == 0 && BLOCK_N % 8 == 0 &&
+                      BLOCK_N % VEC == 0, "tile shapes of the warp-tiled form");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_s = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][QP]
+    A* k_s = q_s + BLOCK_M * QP;              // [2][BLOCK_N][QP]
+    A* v_s = k_s + 2 * K_ELEMS;               // [3][BLOCK_N][VP]
+    A* p_s = v_s + 3 * V_ELEMS;               // [BLOCK_M][PP]: 16 rows per warp
+
+    // lane bits (b4 .. b0) = (ly1, lx2, lx1, ly0, lx0): lanes n and n ^ 1 read the same Q and
+    // P addresses, lanes n and n ^ 2 the same K and V addresses, so that each 16-byte load
+    // returns in two passes instead of four (shared memory returns 128 bytes per clock)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lx = (lane & 1) | ((lane >> 1) & 6), ly = ((lane >> 1) & 1) | ((lane >> 3) & 2);
+    const bool late = warp >= THREADS / 64;  // the second group of warps
+    const ForwardBlock<T, BiasT> blk = forward_block<T, BiasT>(p, BLOCK_M);
+    const long long m0 = blk.m0, b = blk.b;
+    const T *q = blk.q, *k = blk.k, *v = blk.v;
+
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const Range keys = key_band(p, m0, min(m0 + BLOCK_M, p.seqlen_q) - 1, BLOCK_N);
+    const long long n_lo = keys.lo;
+    const int tiles = keys.lo < keys.hi ? (int)((keys.hi - keys.lo + BLOCK_N - 1) / BLOCK_N) : 0;
+    auto request_kv = [&](int t) {  // key tile t: K into stage t % 2, V into stage t % 3
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        load_tile_async<BLOCK_N, HEAD_DIM, PAD, ALIGNED>(k_s + t % 2 * K_ELEMS, k + n0 * p.k_s.row,
+                                                         p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                         p.head_dim);
+        load_tile_async<BLOCK_N, HEAD_DIM_V, PAD, ALIGNED>(v_s + t % 3 * V_ELEMS, v + n0 * p.v_s.row,
+                                                           p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+                                                           p.head_dim_v);
+    };
+    load_tile_async<BLOCK_M, HEAD_DIM, PAD, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col,
+                                                     p.seqlen_q - m0, p.head_dim);
+    if (tiles > 0) request_kv(0);
+    cp_async_commit();
+
+    // this warp's rows: r0 + 4 i
+    const long long w0 = m0 + warp * WARP_M, r0 = w0 + ly;
+    const A* q_w = q_s + (warp * WARP_M + ly) * QP;
+    A* p_w = p_s + warp * WARP_M * PP;
+    A m[RM], l[RM], acc[RM][TV];
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        m[i] = neg_inf<A>();
+        l[i] = A(0);
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
+    }
+    // exp2 of the softmax: float exp2f; double exp2_lanes (common.cuh), 2^(j/32) per lane
+    const A lane_fraction = sizeof(A) == 8 ? A(EXP2_FRACTIONS[lane]) : A(0);
+    auto exp2_row = [&](A x) -> A {
+        if constexpr (sizeof(A) == 8) return exp2_lanes(x, lane_fraction);
+        else return fast_exp2(x);
+    };
+    const A scale_log2 = A(p.scale * LOG2E);
+    const bool plain = p.softcap == 0 && is_same_v<BiasT, NoBias>;
+
+    A s[RM][TN];  // the scores of key tile `held` (-1: none)
+    int held = -1;
+    // s = Q K^T for key tile t
+    auto scores_of = [&](int t) {  // rows ly + 4 i, keys lx + 8 j; the contraction unrolled
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) s[i][j] = A(0);
+        scores_strided<RM, TN, HEAD_DIM, PAD, 4, 8, HEAD_DIM / VEC>(
+            s, q_w, k_s + t % 2 * K_ELEMS + lx * QP, 0, 0);
+        held = t;
+    };
+    // the held tile's softmax (row state m, l; P into the warp's tile) and acc += P V
+    auto softmax_and_pv = [&]() {
+        const long long n0 = n_lo + (long long)held * BLOCK_N;
+        const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
+        // an interior tile without softcap or bias keeps its raw dot products: the scale
+        // goes into the max and into the exp2 argument, fma(s, scale, -m)
+        A c = scale_log2;
+        if (!(interior && plain)) {
+            mask_scores<RM, TN, HAS_MASK, 4, 8>(s, p, r0, n0 + lx, interior, blk.mask, blk.bias);
+            c = A(1);
+        }
+        A alpha[RM];
+        bool rescale = false;
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {  // over the 8 lanes of each row (lane bits 0, 2 and 3)
+            A tile_max = neg_inf<A>();
+#pragma unroll
+            for (int j = 0; j < TN; ++j) tile_max = max_acc(tile_max, s[i][j]);
+#pragma unroll
+            for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+                tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+            const A m_new = max_acc(m[i], tile_max * c);
+            const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // as update_row_state
+            alpha[i] = exp2_row(m[i] - m_use);
+            rescale |= alpha[i] != A(1);
+            A tile_sum = A(0);
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                const A pij = exp2_row(fma(s[i][j], c, -m_use));
+                tile_sum += pij;
+                p_w[(ly + 4 * i) * PP + lx + 8 * j] = pij;
+            }
+#pragma unroll
+            for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+                tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+            l[i] = l[i] * alpha[i] + tile_sum;
+            m[i] = m_new;
+        }
+        // rows whose max stayed put keep their acc as it is (alpha 1): most tiles of a long row
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+            for (int i = 0; i < RM; ++i)
+#pragma unroll
+                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha[i];
+        }
+        __syncwarp();  // the warp's P is in shared memory
+
+        // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f]
+        accumulate_strided<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 4, 8>(
+            acc, p_w, v_s + held % 3 * V_ELEMS, ly, lx);
+        __syncwarp();  // P is read before the warp's next tile overwrites it
+        held = -1;
+    };
+
+    // one pass more than there are tiles: the late group's last softmax and P V
+    for (int t = 0; t <= tiles; ++t) {
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        if (t < tiles) {
+            cp_async_wait<0>();  // tile t has landed ...
+            __syncthreads();     // ... for every thread; every warp is done with K (t - 1) and
+                                 // V (t - 2), whose stages tile t + 1 takes
+            if (t + 1 < tiles) request_kv(t + 1);
+            cp_async_commit();
+        }
+        // the warp's 16 rows all past the end or outside the band for this tile: they take
+        // nothing from it (alpha 1), so the warp skips it
+        const bool take = t < tiles && w0 < p.seqlen_q &&
+                          (p.window_right < 0 || n0 <= w0 + WARP_M - 1 + off + p.window_right) &&
+                          (p.window_left < 0 || n0 + BLOCK_N - 1 >= w0 + off - p.window_left);
+        if (take && !late) scores_of(t);
+        if (held >= 0) softmax_and_pv();
+        if (take && late) scores_of(t);
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf (API.md 6).
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        const long long r = r0 + 4 * i;
+        if (r >= p.seqlen_q) continue;
+        const A inv_l = l[i] == A(0) ? A(0) : A(1) / l[i];
+#pragma unroll
+        for (int u = 0; u < TV / VEC; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long c = (lx + 8 * u) * VEC + e;
+                if (c < p.head_dim_v)
+                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
+            }
+        if (p.lse && lx == 0) {
             A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
             lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
         }

@@ -2,7 +2,7 @@
 // families (attention_backward_portable.cu, attention_backward_mma.cu,
 // attention_backward_sm90.cu): rebuilding P and dS from a raw score, the forward's lse and
 // delta (p_and_ds per element; p_and_ds_tile per m16n8 accumulator tile, the sm90 kernels);
-// the interior-tile test; the gradient-tile store of the tensor-core kernels; and
+// the gradient-tile store of the tensor-core kernels; and
 // the first kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
 // rows, one warp per row).
 #pragma once
@@ -100,6 +100,47 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
     int lo[2] = {-1, -1}, hi[2] = {COLS + 1, COLS + 1};
     const unsigned char* mask_row[2];  // the mask and bias at (row h, column c0)
     const BiasT* bias_row[2];
+    // ALL: every element allowed and lse finite -- an interior tile without mask or bias,
+    // where every row of the tile has an allowed key: no limits, no lse test, no selects, and
+    // the scale folded into the exp2 argument (one rounding); about 4 instructions per
+    // element where the general pass takes over 15 (predicates, docs/kernels.rst)
+    auto pass = [&](auto softcap_flag, auto all_flag) {
+        constexpr bool SOFTCAP = decltype(softcap_flag)::value, ALL = decltype(all_flag)::value;
+#pragma unroll
+        for (int j = 0; j < N8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = 8 * j + e % 2, h = e / 2;
+                bool allowed = true;
+                if constexpr (!ALL) {
+                    allowed = interior || (x >= lo[h] && x < hi[h]);
+                    if constexpr (HAS_MASK)
+                        if (allowed) allowed = mask_row[h][x * m_col] != 0;
+                }
+                const float2 st = stat(j, e);  // lse (log2 units), delta
+                if constexpr (!ALL) allowed = allowed && st.x != neg_inf<float>();
+                float y, dcap = 1.f;  // y: log2-unit score; less lse already when ALL
+                if constexpr (SOFTCAP) {
+                    const float t = tanh_acc(s[j][e] * k.cap_over_scale);
+                    y = ALL ? fmaf(k.softcap * float(LOG2E), t, -st.x) : k.softcap * float(LOG2E) * t;
+                    dcap = 1.f - t * t;
+                } else {
+                    y = ALL ? fmaf(s[j][e], k.scale_log2, -st.x) : s[j][e] * k.scale_log2;
+                }
+                if constexpr (HAS_BIAS)
+                    if (allowed) y += to_acc(bias_row[h][x * b_col]) * float(LOG2E);
+                const float prob = ALL ? fast_exp2(y) : allowed ? fast_exp2(y - st.x) : 0.f;
+                s[j][e] = prob;
+                dp[j][e] = allowed ? prob * (dp[j][e] - st.y) * dcap : 0.f;
+            }
+    };
+    if (!HAS_MASK && !HAS_BIAS && interior) {
+        if (k.softcap > 0.f)
+            pass(Bool<true>(), Bool<true>());
+        else
+            pass(Bool<false>(), Bool<true>());
+        return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long r = row0 + lane / 4 + 8 * h;
@@ -119,48 +160,10 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
         lo[h] = (int)max(-1LL, min(a, (long long)COLS + 1));
         hi[h] = (int)max(-1LL, min(z, (long long)COLS + 1));
     }
-    auto pass = [&](auto softcap_flag) {
-        constexpr bool SOFTCAP = decltype(softcap_flag)::value;
-#pragma unroll
-        for (int j = 0; j < N8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int x = 8 * j + e % 2, h = e / 2;
-                bool allowed = interior || (x >= lo[h] && x < hi[h]);
-                if constexpr (HAS_MASK)
-                    if (allowed) allowed = mask_row[h][x * m_col] != 0;
-                const float2 st = stat(j, e);  // lse (log2 units), delta
-                allowed = allowed && st.x != neg_inf<float>();
-                float y, dcap = 1.f;
-                if constexpr (SOFTCAP) {
-                    const float t = tanh_acc(s[j][e] * k.cap_over_scale);
-                    y = k.softcap * float(LOG2E) * t;
-                    dcap = 1.f - t * t;
-                } else {
-                    y = s[j][e] * k.scale_log2;
-                }
-                if constexpr (HAS_BIAS)
-                    if (allowed) y += to_acc(bias_row[h][x * b_col]) * float(LOG2E);
-                const float prob = allowed ? fast_exp2(y - st.x) : 0.f;
-                s[j][e] = prob;
-                dp[j][e] = allowed ? prob * (dp[j][e] - st.y) * dcap : 0.f;
-            }
-    };
     if (k.softcap > 0.f)
-        pass(Bool<true>());
+        pass(Bool<true>(), Bool<false>());
     else
-        pass(Bool<false>());
-}
-
-// Does the tile [r0, r0 + rows) x [c0, c0 + cols) lie inside both sequences and inside the
-// causal/window band for every one of its elements?
-__device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long r0, int rows,
-                                                 long long c0, int cols) {
-    const long long off = p.seqlen_k - p.seqlen_q;
-    const long long r1 = r0 + rows - 1, c1 = c0 + cols - 1;
-    return r1 < p.seqlen_q && c1 < p.seqlen_k &&
-           (p.window_left < 0 || c0 >= r1 + off - p.window_left) &&
-           (p.window_right < 0 || c1 <= r0 + off + p.window_right);
+        pass(Bool<false>(), Bool<false>());
 }
 
 // Write a warp's 16 x (8*COLS8) float accumulator tile of a tensor-core backward (m16n8

@@ -4,7 +4,8 @@
 // between storage and accumulator, the parameter block of the attention kernels
 // (AttnParams, mirrored field for field by cuattn/_kernels.py::ATTN_PARAMS_DTYPE), and the
 // online-softmax row-state helpers whose names follow DESIGN.md: m (running row max, in
-// log2 units), l (running row sum), acc (unnormalised output), alpha = exp2(m_old - m_new).
+// log2 units), l (running row sum), acc (unnormalised output), alpha = exp2(m_old - m_new);
+// the grid order (block_coords), the band's reach in tiles and the interior-tile test.
 //
 // This header is inlined into each .cu file by cuattn/_kernels.py before compilation, so
 // CuPy's cache key (a hash of the source text) changes whenever this file changes.
@@ -267,6 +268,17 @@ __device__ __forceinline__ bool in_window(long long i, long long j, long long of
                                           long long left, long long right) {
     const long long center = i + off;
     return (left < 0 || j >= center - left) && (right < 0 || j <= center + right);
+}
+
+// Does the tile [r0, r0 + rows) x [c0, c0 + cols) lie inside both sequences and inside the
+// causal/window band for every one of its elements?
+__device__ __forceinline__ bool tile_is_interior(const AttnParams& p, long long r0, int rows,
+                                                 long long c0, int cols) {
+    const long long off = p.seqlen_k - p.seqlen_q;
+    const long long r1 = r0 + rows - 1, c1 = c0 + cols - 1;
+    return r1 < p.seqlen_q && c1 < p.seqlen_k &&
+           (p.window_left < 0 || c0 >= r1 + off - p.window_left) &&
+           (p.window_right < 0 || c1 <= r0 + off + p.window_right);
 }
 
 }  // namespace cuattn

@@ -19,8 +19,8 @@ namespace mma {
 // so that mask_scores may skip the masking? Rows past seqlen_q do not count (mask_scores:
 // they are never stored). Positions in 32 bits (checked in Python), off = seqlen_k -
 // seqlen_q: the 16-bit and sm90_tf32 forwards. attention_mma_wide.cu spells out a 64-bit
-// copy that still asks for full rows (stricter, so also correct), and backward.cuh's
-// tile_is_interior is the backward's.
+// copy that still asks for full rows (stricter, so also correct), and common.cuh's
+// tile_is_interior (64-bit) is the backwards' and the portable warp-tiled forward's.
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long long m0,
                                                       int m_last, int n0, int seqlen_q,

@@ -8,7 +8,9 @@
 //   scores     s[i][j]   += X[ty*TM + i, :] . Y[tx + 16*j, :]     (both operands row-major)
 //   accumulate acc[i][c] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + e]   (c = u*VEC + e)
 // so a thread owns TM rows, every 16th column of a score tile and 16-byte groups of output
-// columns. The 16 threads of one row group are one half-warp.
+// columns. The 16 threads of one row group are one half-warp. scores_strided and
+// accumulate_strided are the same products with other row and column steps (the forward's
+// warp-tiled form: rows 4 apart, columns 8 apart).
 #pragma once
 
 #include "common.cuh"
@@ -96,18 +98,21 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
-template <int TM, int TN, int D_TILE, int PAD, typename A>
-__device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_s, int tx,
-                                       int ty) {
+// s[i][j] += X[x0 + ROW_STEP*i, :] . Y[y0 + COL_STEP*j, :] over one D_TILE chunk held in
+// shared memory (two row-major tiles of pitch D_TILE + PAD); UNROLL steps of the
+// contraction (VEC values each) unrolled.
+template <int TM, int TN, int D_TILE, int PAD, int ROW_STEP, int COL_STEP, int UNROLL,
+          typename A>
+__device__ __forceinline__ void scores_strided(A (&s)[TM][TN], const A* x_s, const A* y_s,
+                                               int x0, int y0) {
     constexpr int VEC = 16 / sizeof(A);
-#pragma unroll 2
+#pragma unroll UNROLL
     for (int d = 0; d < D_TILE; d += VEC) {
         A qf[TM][VEC], kf[TN][VEC];
 #pragma unroll
-        for (int i = 0; i < TM; ++i) lds16(qf[i], q_s + (ty * TM + i) * (D_TILE + PAD) + d);
+        for (int i = 0; i < TM; ++i) lds16(qf[i], x_s + (x0 + ROW_STEP * i) * (D_TILE + PAD) + d);
 #pragma unroll
-        for (int j = 0; j < TN; ++j) lds16(kf[j], k_s + (tx + 16 * j) * (D_TILE + PAD) + d);
+        for (int j = 0; j < TN; ++j) lds16(kf[j], y_s + (y0 + COL_STEP * j) * (D_TILE + PAD) + d);
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -117,23 +122,31 @@ __device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_
     }
 }
 
-// acc[i][u*VEC + f] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + f]: the P.V product of
-// the forward and the P^T.dO and dS^T.Q products of the backward.
-template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, typename A>
-__device__ __forceinline__ void accumulate(A (&acc)[TM][TV], const A* p_s, const A* v_s,
-                                           int tx, int ty) {
+// s[i][j] += Q[ty*TM + i, :] . K[tx + 16*j, :] over one D_TILE chunk held in shared memory.
+template <int TM, int TN, int D_TILE, int PAD, typename A>
+__device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_s, int tx,
+                                       int ty) {
+    scores_strided<TM, TN, D_TILE, PAD, 1, 16, 2>(s, q_s, k_s, ty * TM, tx);
+}
+
+// acc[i][u*VEC + f] += sum_n P[p0 + ROW_STEP*i, n] V[n, (v0 + COL_STEP*u)*VEC + f] (P of
+// pitch BLOCK_N + PAD, V of pitch DV_TILE + PAD).
+template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, int ROW_STEP, int COL_STEP,
+          typename A>
+__device__ __forceinline__ void accumulate_strided(A (&acc)[TM][TV], const A* p_s,
+                                                   const A* v_s, int p0, int v0) {
     constexpr int VEC = 16 / sizeof(A);
 #pragma unroll 2
     for (int n = 0; n < BLOCK_N; n += VEC) {
         A pf[TM][VEC];
 #pragma unroll
-        for (int i = 0; i < TM; ++i) lds16(pf[i], p_s + (ty * TM + i) * (BLOCK_N + PAD) + n);
+        for (int i = 0; i < TM; ++i) lds16(pf[i], p_s + (p0 + ROW_STEP * i) * (BLOCK_N + PAD) + n);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
 #pragma unroll
             for (int u = 0; u < TV / VEC; ++u) {
                 A vf[VEC];
-                lds16(vf, v_s + (n + e) * (DV_TILE + PAD) + (tx + 16 * u) * VEC);
+                lds16(vf, v_s + (n + e) * (DV_TILE + PAD) + (v0 + COL_STEP * u) * VEC);
 #pragma unroll
                 for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -142,6 +155,14 @@ __device__ __forceinline__ void accumulate(A (&acc)[TM][TV], const A* p_s, const
             }
         }
     }
+}
+
+// acc[i][u*VEC + f] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + f]: the P.V product of
+// the forward and the P^T.dO and dS^T.Q products of the backward.
+template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, typename A>
+__device__ __forceinline__ void accumulate(A (&acc)[TM][TV], const A* p_s, const A* v_s,
+                                           int tx, int ty) {
+    accumulate_strided<TM, TV, BLOCK_N, DV_TILE, PAD, 1, 16>(acc, p_s, v_s, ty * TM, tx);
 }
 
 }  // namespace portable

@@ -37,21 +37,22 @@ def _dtype_for(family):
     return next(d for d in (np.float32, np.float16, np.float64) if np.dtype(d).name in dtypes)
 
 
-def _run(family, q, k, v, **kw):
+def _run(family, q, k, v, tiles=None, **kw):
     kw = {**FAMILY_KW.get(family, {}), **kw}
     cp = _cp()
     dev = [cp.asarray(x) for x in (q, k, v)]
     extra = {n: cp.asarray(kw.pop(n)) for n in ("mask", "bias") if n in kw}
     out = poison(cp.empty(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
                           + (q.shape[-2], v.shape[-1]), q.dtype))
-    got, lse = _attention(*dev, kernel=family, out=out, return_lse=True, **kw, **extra)
+    got, lse = _attention(*dev, kernel=family, tiles=tiles, out=out, return_lse=True, **kw,
+                          **extra)
     assert got is out
     return to_host(got), to_host(lse)
 
 
-def _check(family, q, k, v, **kw):
+def _check(family, q, k, v, tiles=None, **kw):
     kw = {**FAMILY_KW.get(family, {}), **kw}
-    got, lse = _run(family, q, k, v, **dict(kw))
+    got, lse = _run(family, q, k, v, tiles=tiles, **dict(kw))
     ref, ref_lse = attention_reference(q, k, v, **kw)
     assert_accurate(got, ref, naive_attention(q, k, v, **kw))
     # lse from TF32-rounded q and k carries about 2^-11 of each score's size
@@ -94,6 +95,31 @@ def test_features(family, dtype, feature, sq, sk):
     q, k, v = _rand(rng, (2, 3, sq, d), dtype), _rand(rng, (2, 3, sk, d), dtype), \
         _rand(rng, (2, 3, sk, d), dtype)
     _check(family, q, k, v, **FEATURES[feature](rng, sq, sk))
+
+
+#: the portable family's warp-tiled form (attention_fwd_portable_warps), forced through its
+#: tiles for both float types (the table gives it float64 with head dims to 64)
+WARPS_TILES = _dispatch.Tiles(128, 32, 64, 64, 1, warps=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("feature", ["plain", *FEATURES])
+@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 32, 32), (40, 50, 64, 24),
+                                   (17, 1, 59, 59), (1025, 1023, 64, 64), (300, 5, 64, 32)])
+def test_portable_warps(dtype, feature, shape):
+    """The warp-tiled form over every feature on ragged shapes: accurate against the float64
+    reference (output poisoned first), and a NaN in one query row stays in that row."""
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq + 7 * sk + d)
+    kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
+    q, k, v = _rand(rng, (2, 3, sq, d), dtype), _rand(rng, (2, 3, sk, d), dtype), \
+        _rand(rng, (2, 3, sk, dv), dtype)
+    _check("portable", q, k, v, tiles=WARPS_TILES, **kw)
+    if feature == "plain":
+        q[1, 2, sq // 2, 3] = np.nan
+        got, _ = _run("portable", q, k, v, tiles=WARPS_TILES)
+        bad = np.isnan(got).any(axis=-1)
+        assert bad[1, 2, sq // 2] and bad.sum() == 1
 
 
 #: families that serve float32 with precision="tf32" (sm90_3xtf32 serves "highest" only)

@@ -30,10 +30,12 @@ from cuattn.bench import _time
 
 CANDIDATES = {
     ("float32", 64): [Tiles(128, 64, 64, 64, 1), Tiles(128, 128, 64, 64, 1),
-                      Tiles(64, 64, 64, 64, 2)],
+                      Tiles(64, 64, 64, 64, 2), Tiles(128, 32, 64, 64, 1, warps=True),
+                      Tiles(128, 16, 64, 64, 1, warps=True)],
     ("float32", 128): [Tiles(128, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1),
                        Tiles(64, 64, 128, 128, 1)],
-    ("float64", 64): [Tiles(64, 64, 64, 64, 1), Tiles(64, 32, 64, 64, 1),
+    ("float64", 64): [Tiles(128, 32, 64, 64, 1, warps=True), Tiles(128, 16, 64, 64, 1, warps=True),
+                      Tiles(64, 64, 64, 64, 1), Tiles(64, 32, 64, 64, 1),
                       Tiles(128, 32, 64, 64, 1), Tiles(32, 64, 64, 64, 1)],
     ("float64", 128): [Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 128, 128, 1),
                        Tiles(64, 64, 128, 128, 1)],
