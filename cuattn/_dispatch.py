@@ -26,7 +26,8 @@ __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "MMA_F32_BACKWARD_TILES",
            "MmaF32BwdTiles", "mma_f32_backward_smem_bytes", "SM90_BACKWARD_TILES",
-           "Sm90BwdTiles", "sm90_backward_smem_bytes",
+           "Sm90BwdTiles", "sm90_backward_smem_bytes", "SM90_F32_BACKWARD_TILES",
+           "Sm90F32BwdTiles", "sm90_f32_backward_smem_bytes",
            "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
 THREADS = 256
@@ -646,6 +647,13 @@ BACKWARD_FAMILIES = (
            "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
            "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
            "accumulators)", precisions=("tf32",)),
+    # after mma_3xtf32: reached only when forced (kernel="sm90_3xtf32") until it has run on
+    # a GPU and been measured against mma_3xtf32 (docs/kernels.rst, sixteenth session)
+    Family("sm90_3xtf32", "attention_backward_sm90_tf32.cu", (9, 0), ("float32",), 64,
+           "float32 \"highest\" on Hopper's warpgroup MMA (wgmma .tf32, sm_90a): the "
+           "3xTF32 split of mma_3xtf32 with every product on wgmma, the transposed operands "
+           "(Q^T, dO^T, K^T) split and transposed in shared memory per tile; head dims to 64 "
+           "(shared memory of the split tiles)", precisions=("highest",), archs=((9, 0),)),
     Family("portable", "attention_backward_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
@@ -962,6 +970,53 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
 
 
+@dataclass(frozen=True)
+class Sm90F32BwdTiles:
+    block_m: int   # query tile of the dK/dV kernel (64 keys per block)
+    block_n: int   # key tile of the dQ kernel (64 query rows per block)
+    dkdv_min_blocks: int = 1
+    dq_min_blocks: int = 1
+
+
+#: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
+#: kernels were written without a GPU (sixteenth session). ptxas (sm_90a): 32-query dK/dV
+#: 222 registers, 64-key dQ 234, 16-query dK/dV 190, 16-key dQ 158, no spills; shared memory
+#: 160.5, 224, 112.3 and 104 KB.
+SM90_F32_BACKWARD_TILES = (
+    (64, (Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(16, 16, 2, 2)),
+     "not measured: written without a GPU; tools/sweep_backward.py --sm90-f32 times the "
+     "candidates (one block per SM at 32-query / 64-key tiles, two at 16 / 16)"),
+)
+
+
+def sm90_f32_backward_smem_bytes(tiles: Sm90F32BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_sm90_3xtf32 and
+    attention_bwd_dq_sm90_3xtf32 (the .cu header)."""
+    bm, bn = tiles.block_m, tiles.block_n
+    dkdv = (2 * 64 * (hd + hdv) + 6 * bm * (hd + hdv) + 2 * 2 * bm) * 4
+    dq = (2 * 64 * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * bn * hd) * 4
+    return dkdv, dq
+
+
+def _sm90_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+                       aligned: bool, smem_limit: int, tiles: Sm90F32BwdTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_F32_BACKWARD_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_f32_backward_smem_bytes(t, hd, hdv),
+                             smem_limit, "sm90_3xtf32 backward",
+                             f"head dims {head_dim}, {head_dim_v}")
+    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
+    al = str(aligned).lower()
+    return BackwardChoice(
+        "sm90_3xtf32", "attention_backward_sm90_tf32.cu", "attention_bwd_delta<float>",
+        f"attention_bwd_dkdv_sm90_3xtf32<{flags}, {tiles.block_m}, {al}, "
+        f"{tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_sm90_3xtf32<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}>",
+        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
+
+
 def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      grad_dtypes, dout, kernel: str | None = None, tiles=None):
     """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
@@ -995,6 +1050,9 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
         if family.name in ("mma_f32", "mma_3xtf32"):
             return _mma_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                                      precision, smem_limit, tiles)
+        if family.name == "sm90_3xtf32":
+            return _sm90_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                                      smem_limit, tiles)
         return _portable_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                   grad_dtypes, smem_limit, tiles)
     return None
@@ -1050,7 +1108,8 @@ def _np_name(name: str):
     return name
 
 
-_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32")  # aligned and unaligned
+#: backward families with aligned and unaligned instances
+_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32", "sm90_3xtf32")
 
 
 def backward_instances(arch: str):

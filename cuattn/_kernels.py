@@ -100,7 +100,8 @@ def read_source(filename: str, directory: Path | None = None) -> str:
 #: for sm_90a (either order; sm_90 alone rejects wgmma); dispatch sends these files to
 #: sm_90 devices only.
 ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a", "attention_sm90_tf32.cu": "sm_90a",
-                 "attention_backward_sm90.cu": "sm_90a"}
+                 "attention_backward_sm90.cu": "sm_90a",
+                 "attention_backward_sm90_tf32.cu": "sm_90a"}
 
 
 def nvrtc_options(arch: str | None = None, filename: str | None = None) -> tuple[str, ...]:

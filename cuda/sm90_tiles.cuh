@@ -1,6 +1,6 @@
 // sm90_tiles.cuh -- the warpgroup-MMA (wgmma, sm_90a) tile machinery shared by the Hopper
 // kernels (attention_sm90.cu and attention_sm90_tf32.cu, the forwards;
-// attention_backward_sm90.cu, the backward).
+// attention_backward_sm90.cu and attention_backward_sm90_tf32.cu, the backwards).
 //
 // Operand tiles are 16-bit (T = __half or __nv_bfloat16) or float (read as TF32) in shared
 // memory, in the canonical 128-byte-swizzle layout of wgmma: column groups of 128 bytes (64
@@ -12,6 +12,8 @@
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
+//   transpose_v  a staged float tile transposed (V^T, Q^T, dO^T, K^T) for the TF32 register-A
+//               products, rounded or split
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
 //               makes them from accumulators, contraction permuted; tf32_split_fragments
 //               the hi and lo parts of the 3xTF32 split), B K-contiguous
@@ -239,6 +241,64 @@ __device__ __forceinline__ void tf32_split_fragments(unsigned (&hi)[ROWS / 8][4]
             mma::split_tf32(x[kk][FROM[e]], h, l);
             hi[kk][e] = __float_as_uint(h);
             lo[kk][e] = __float_as_uint(l);
+        }
+}
+
+// The transposed TF32 tile of a staged float tile: V^T for the forwards' O += P V
+// (attention_sm90_tf32.cu), Q^T, dO^T and K^T for the split backward's gradient products
+// (attention_backward_sm90_tf32.cu). From the BLOCK_N-row tile vs (Sw128<BLOCK_N, 4>: keys,
+// or queries, as rows) to vt, HEAD_DIM_V rows with the BLOCK_N keys K-contiguous at
+// tf32_key_position (Sw128<HEAD_DIM_V, 4>), rounded to TF32; with SPLIT the remainders go to
+// the lo tile that follows (HEAD_DIM_V * BLOCK_N floats on). A warp moves 16 keys x 8
+// columns per step: lane (n = lane % 16, h = lane / 16) reads 4 columns of key n (one
+// 16-byte load; eight consecutive keys hit eight distinct chunks) and writes them to 4 rows
+// of V^T; rows 4h + e of the two half-warps differ in bit 2 of the swizzle, so the 32 scalar
+// stores of a step hit 32 distinct banks.
+// Steps: warp w starts at key block w % KB (KB = BLOCK_N / 16) and column group w / KB
+// (of 8 columns) and moves CS = WARPS / KB column groups on (or, with more key blocks than
+// warps, WARPS key blocks on). A lane's key then changes by multiples of 16 and its
+// columns by multiples of 8 CS: every address is one of two bases (computed once per
+// tile) plus a constant, the read's swizzle at most one XOR with a constant.
+template <int BLOCK_N, int HEAD_DIM_V, int THREADS, bool SPLIT>
+__device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
+    constexpr int WARPS = THREADS / 32, KB = BLOCK_N / 16, CG = HEAD_DIM_V / 8;
+    constexpr bool WIDE = WARPS >= KB;  // every warp keeps its key block
+    constexpr int CS = WIDE ? WARPS / KB : 1, KSTEP = WIDE ? 0 : WARPS;
+    constexpr int NA = CG / CS, NB = WIDE ? 1 : KB / WARPS;
+    static_assert((WIDE ? WARPS % KB == 0 && (CS == 1 || CS == 2 || CS == 4) && CG % CS == 0
+                        : KB % WARPS == 0),
+                  "warps tile the V tile in whole key blocks and column groups");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = (warp % KB) * 16 + lane % 16;             // key of step (0, 0)
+    const int c = (WIDE ? warp / KB : 0) * 8 + 4 * (lane / 16);  // first column, < 8 CS
+    const int pos = tf32_key_position(n);
+    const int rd = Sw128<BLOCK_N, 4>()(n, c);
+    int wr[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) wr[e] = Sw128<HEAD_DIM_V, 4>()(c + e, pos);
+#pragma unroll
+    for (int a = 0; a < NA; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            // columns c + 8 CS a: column group (8 CS a) / 32, swizzle chunk XOR ((8 CS a) % 32) / 4
+            // (c < 8 CS shares no bits with it); keys n + 16 KSTEP b: rows further on, and
+            // V^T columns (pos + 16 KSTEP b, a multiple of 32 further) whole groups on
+            const int col = 8 * CS * a, key = 16 * KSTEP * b;
+            const float4 x = *reinterpret_cast<const float4*>(
+                vs + ((rd ^ (((col % 32) / 4) << 2)) + (col / 32) * BLOCK_N * 32 + key * 32));
+            const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int at = wr[e] + col * 32 + (key / 32) * HEAD_DIM_V * 32;
+                if constexpr (SPLIT) {
+                    float hi, lo;
+                    mma::split_tf32(xs[e], hi, lo);
+                    vt[at] = hi;
+                    vt[HEAD_DIM_V * BLOCK_N + at] = lo;
+                } else {
+                    vt[at] = __uint_as_float(mma::to_tf32(xs[e]));
+                }
+            }
         }
 }
 

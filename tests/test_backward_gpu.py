@@ -12,7 +12,12 @@ from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 import cuattn
-from cuattn._dispatch import BACKWARD_FAMILIES, MmaF32BwdTiles, Sm90BwdTiles
+from cuattn._dispatch import (
+    BACKWARD_FAMILIES,
+    MmaF32BwdTiles,
+    Sm90BwdTiles,
+    Sm90F32BwdTiles,
+)
 from cuattn.attention import _attention_backward
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
@@ -401,3 +406,23 @@ def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
     _check("mma_3xtf32", _rand(rng, (2, 3, sq, head), np.float32),
            _rand(rng, (2, 3, sk, head), np.float32), _rand(rng, (2, 3, sk, head), np.float32),
            rng, tiles=SEPARATE_TILES, **kw)
+
+
+#: The sm90_3xtf32 backward (reached only when forced): 16- and 32-query dK/dV tiles, 16-,
+#: 32- and 64-key dQ tiles, one and two blocks per SM, over the fused form's band and mask
+#: cases and long ones (many tiles: both raw stages refilled many times).
+SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32),
+                  Sm90F32BwdTiles(16, 16, 2, 2)]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+@pytest.mark.parametrize("tiles", SM90_F32_TILES, ids=str)
+def test_sm90_3xtf32_tiles(tiles, case):
+    _needs_sm90()
+    sq, sk, kw = OVERLAP_CASES[case]
+    rng = np.random.default_rng(sq + sk + 5)
+    if kw.get("mask") == "random":
+        kw = {**kw, "mask": rng.random((2, 3, sq, sk)) > 0.3}
+    _check("sm90_3xtf32", _rand(rng, (2, 3, sq, 64), np.float32),
+           _rand(rng, (2, 3, sk, 64), np.float32), _rand(rng, (2, 3, sk, 64), np.float32),
+           rng, tiles=tiles, **kw)

@@ -267,6 +267,30 @@ def test_backward_families_and_tiles():
     assert backward(F16, 512).family == "portable"
 
 
+def test_sm90_3xtf32_backward_is_reached_only_when_forced():
+    """The wgmma split backward (written without a GPU, not measured yet) serves float32
+    "highest" to head dim 64 on sm_90 when forced; the default stays mma_3xtf32."""
+    assert backward(F32, 64).family == "mma_3xtf32"
+    choice = backward(F32, 64, forced="sm90_3xtf32")
+    assert choice.family == "sm90_3xtf32"
+    assert choice.filename == "attention_backward_sm90_tf32.cu"
+    assert choice.delta == "attention_bwd_delta<float>"
+    flags = "cuattn::NoBias, false, 64, 64"
+    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1>"
+    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 64, true, 1>"
+    assert (choice.dkdv_rows, choice.dq_rows, choice.threads_dkdv) == (64, 64, 128)
+    # the .cu header's shared memory: K, V (hi, lo) + 6 query tiles; Q, dO (hi, lo) + 4 key
+    # tiles + K^T (hi, lo)
+    assert (choice.smem_dkdv, choice.smem_dq) == ((2 * 64 * 128 + 6 * 32 * 128 + 128) * 4,
+                                                  (2 * 64 * 128 + 4 * 64 * 128 + 2 * 64 * 64) * 4)
+    small = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(16, 16, 2, 2))
+    assert small.dkdv.endswith(", 64, 64, 16, true, 2>") and small.smem_dkdv * 2 <= 232448
+    assert backward(F32, 128, forced="sm90_3xtf32") is None       # head dims to 64
+    assert backward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
+    assert backward(F32, 64, forced="sm90_3xtf32", gpu=A100) is None
+    assert backward(F32, 64, forced="sm90_3xtf32", gpu=SM86) is None
+
+
 @pytest.mark.parametrize("head,cols,tiles", [(64, 64, 1), (128, 128, 1), (192, 64, 3),
                                              (256, 128, 2)])
 def test_mma_backward_column_tiles_divide_the_padded_head_dim(head, cols, tiles):

@@ -120,8 +120,10 @@ SCHEMES = [  # (label, scheme, P V into O)
 ]
 
 
-def gradients(q, k, v, dout, out, lse, rounding, in_place):
-    """dq, dk, dv by split products per (query tile, key tile), P rebuilt from lse."""
+def gradients(q, k, v, dout, out, lse, rounding, in_place, scheme="small first"):
+    """dq, dk, dv by split products per (query tile, key tile), P rebuilt from lse; scheme
+    "hi truncated": every hi part is the operand as the instruction reads float32 data
+    (low 13 bits ignored), so that a tile as loaded serves as its own hi part."""
     scale = np.float32(1 / np.sqrt(q.shape[1]))
     scale_log2 = np.float32(scale * np.log2(np.e))
     lse_log2 = (lse * np.float32(np.log2(np.e))).astype(np.float32)
@@ -132,17 +134,17 @@ def gradients(q, k, v, dout, out, lse, rounding, in_place):
 
     def add(acc, a, b):
         if in_place:
-            return product(a, b, "small first", rounding, acc=acc)
-        return (acc + product(a, b, "small first", rounding)).astype(np.float32)
+            return product(a, b, scheme, rounding, acc=acc)
+        return (acc + product(a, b, scheme, rounding)).astype(np.float32)
 
     for m0 in range(0, q.shape[0], 32):
         qi, doi = q[m0:m0 + 32], dout[m0:m0 + 32]
         for n0 in range(0, k.shape[0], 64):
             kj, vj = k[n0:n0 + 64], v[n0:n0 + 64]
-            s = product(qi, np.ascontiguousarray(kj.T), "small first", rounding)
+            s = product(qi, np.ascontiguousarray(kj.T), scheme, rounding)
             p = np.exp2((s * scale_log2 - lse_log2[m0:m0 + 32, None]).astype(np.float64))
             p = p.astype(np.float32)
-            dp = product(doi, np.ascontiguousarray(vj.T), "small first", rounding)
+            dp = product(doi, np.ascontiguousarray(vj.T), scheme, rounding)
             ds = (p * (dp - delta[m0:m0 + 32, None])).astype(np.float32)
             dv[n0:n0 + 64] = add(dv[n0:n0 + 64], np.ascontiguousarray(p.T), doi)
             dk[n0:n0 + 64] = add(dk[n0:n0 + 64], np.ascontiguousarray(ds.T), qi)
@@ -171,10 +173,11 @@ def forward_ratio(q, k, v, scheme, rounding, pv_into_o):
     return float(np.abs(attention(q, k, v, scheme, rounding, pv_into_o) - ref).max()) / bound
 
 
-def backward_ratio(q, k, v, dout, rounding, in_place):
+def backward_ratio(q, k, v, dout, rounding, case):
+    in_place, scheme = case
     out64, lse64 = attention_reference(q, k, v)
     got = gradients(q, k, v, dout, out64.astype(np.float32), lse64.astype(np.float32),
-                    rounding, in_place)
+                    rounding, in_place, scheme)
     worst = 0.0
     for g, r, n in zip(got, attention_backward_reference(dout, q, k, v),
                        naive_attention_backward(dout, q, k, v)):
@@ -188,8 +191,9 @@ def main():
     args = [a for a in sys.argv[1:] if a != "--backward"]
     seeds = int(args[0]) if args else 1
     if backward:
-        cases = [("gradients accumulated in place", True),
-                 ("each tile's products in fresh accumulators", False)]
+        cases = [("gradients accumulated in place", (True, "small first")),
+                 ("each tile's products in fresh accumulators", (False, "small first")),
+                 ("fresh accumulators, hi truncated", (False, "hi truncated"))]
     else:
         cases = [(label, (scheme, pv_into_o)) for label, scheme, pv_into_o in SCHEMES]
     for rounding in ("nearest", "toward zero"):

@@ -5,19 +5,21 @@
     PYTHONPATH=. python tools/sweep_backward.py --sm90 64  # only head dim 64
     PYTHONPATH=. python tools/sweep_backward.py --f32 highest  # mma_3xtf32 family, float32
     PYTHONPATH=. python tools/sweep_backward.py --f32 tf32     # mma_f32 family
+    PYTHONPATH=. python tools/sweep_backward.py --sm90-f32     # sm90_3xtf32 family ("highest")
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
-(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES) with the measured
-reason. bfloat16 inputs, float32 with --f32 (precision "highest" or "tf32"). FLOPs: 2.5x the
-forward's.
+(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES, SM90_F32_BACKWARD_TILES)
+with the measured reason. bfloat16 inputs, float32 with --f32 (precision "highest" or "tf32")
+and --sm90-f32 (whose first row is the mma_3xtf32 table's choice, for comparison). FLOPs:
+2.5x the forward's.
 """
 import math
 import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles
+from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles, Sm90F32BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.bench import _time
 
@@ -58,11 +60,20 @@ F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f
 }
 
 
+G = Sm90F32BwdTiles
+SM90_F32_CANDIDATES = {  # head dim -> tiles: (dK/dV query tile, dQ key tile[, min blocks])
+    64: [G(32, 64), G(32, 32), G(16, 16, 2, 2), G(16, 64, 2, 1), G(32, 16, 1, 2)],
+}
+
+
 def main():
     import cuattn
     kw, dtype = {}, "bfloat16"
     if "--sm90" in sys.argv:
         table, family = SM90_CANDIDATES, "sm90"
+    elif "--sm90-f32" in sys.argv:
+        table, family, dtype = SM90_F32_CANDIDATES, "sm90_3xtf32", "float32"
+        kw["precision"] = "highest"
     elif "--f32" in sys.argv:
         kw["precision"] = "tf32" if "tf32" in sys.argv else "highest"
         table, dtype = F32_CANDIDATES[kw["precision"]], "float32"
@@ -81,11 +92,15 @@ def main():
             out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
             dout = cp.random.standard_normal(out.shape).astype(dtype)
             flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
-            for tiles in cands:
-                label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
+            rows = [(family, t) for t in cands]
+            if family == "sm90_3xtf32":  # beside the table's mma_3xtf32 choice
+                rows.insert(0, ("mma_3xtf32", None))
+            for fam, tiles in rows:
+                label = fam if tiles is None else " ".join(
+                    f"{k}={v}" for k, v in vars(tiles).items())
                 try:
-                    def call(tiles=tiles, causal=causal, args=(dout, q, k, v, out, lse)):
-                        return _attention_backward(*args, causal=causal, kernel=family,
+                    def call(tiles=tiles, fam=fam, causal=causal, args=(dout, q, k, v, out, lse)):
+                        return _attention_backward(*args, causal=causal, kernel=fam,
                                                    tiles=tiles, **kw)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"

@@ -1,0 +1,353 @@
+// attention_backward_sm90_tf32.cu -- float32 attention backward for precision="highest" on
+// Hopper's TF32 tensor cores (sm_90a: wgmma .tf32), every product by the 3xTF32 split.
+//
+// Computes:   the gradients of attention_backward_mma_f32.cu with SPLIT (API.md semantics;
+//             reference cuattn/reference.py::attention_backward_reference), with the same
+//             two kernels after delta (backward.cuh) and the same element-wise rule
+//             (p_and_ds_tile); the products run as warpgroup MMAs. Each operand x is split
+//             into hi = tf32(x) (to nearest) and lo = x - hi, and every product is
+//             A_hi B_lo + A_lo B_hi + A_hi B_hi in that order (the small terms first); the
+//             gradient products of each tile (one query tile for dK/dV, one key tile for dQ)
+//             go into fresh accumulators that are added to the running gradient in float32,
+//             since the tensor cores' accumulation truncates (tools/emulate_3xtf32.py
+//             --backward: in place 1.30x the accuracy bound, fresh 0.83x; a hi part that the
+//             instruction truncates instead of one rounded to nearest 1.54x).
+// Operands:   TF32 wgmma reads both shared-memory operands K-contiguous (no transposed
+//             descriptors for 32-bit types). S^T = K Q^T and dP^T = V dO^T (dK/dV), S = Q K^T
+//             and dP = dO V^T (dQ) read their tiles as stored; dV += P^T dO, dK += dS^T Q and
+//             dQ += dS K take P^T, dS^T and dS from registers as A (tf32_split_fragments:
+//             the contraction permuted within groups of eight) and need dO^T, Q^T and K^T as
+//             B, with the contraction (queries, keys) at tf32_key_position. Each streamed tile
+//             arrives raw by cp.async into one of two stages; after a barrier the block
+//             writes its split hi and lo tiles and its transposed split tiles (transpose_v,
+//             sm90_tiles.cuh, which the forward uses for V^T), so no scratch in global
+//             memory is needed.
+// Kernels:    attention_bwd_dkdv_sm90_3xtf32: one warpgroup owns 64 keys (warp w: keys 16w ..
+//             16w + 15) and all columns of dK and dV, K and V split once; it walks the query
+//             tiles (BLOCK_M rows) of the band.
+//             attention_bwd_dq_sm90_3xtf32: one warpgroup owns 64 query rows and all columns
+//             of dQ, Q and dO split once; it walks the key tiles (BLOCK_N keys).
+//             Each gradient element is written once by one thread: no atomics, repeated
+//             calls are bit-identical.
+// Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64, zero-padded: the shared memory of
+//             the split tiles); the tile of the other sequence (BLOCK_M for dK/dV: 16 or 32;
+//             BLOCK_N for dQ: 16, 32 or 64); ALIGNED (16-byte cp.async copies: unit column strides,
+//             16-byte rows and pointers; otherwise element loads); MIN_BLOCKS. Gradients are
+//             float32.
+// Shared mem: dK/dV: (2*64*(HEAD_DIM+HEAD_DIM_V) + 6*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
+//             + 2*2*BLOCK_M)*4 bytes: K and V (hi, lo), two raw stages of Q and dO, their
+//             split tiles (hi, lo) and their transposed split tiles (hi, lo);
+//             dQ: (2*64*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
+//             + 2*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo), two raw stages of K and V,
+//             their split tiles and the transposed split K; every tile in the 128-byte-swizzle
+//             layout (sm90_tiles.cuh) with 32-float column groups, each lo tile right after its
+//             hi tile. cuattn/_dispatch.py::sm90_3xtf32_backward_smem_bytes computes the same
+//             numbers.
+#include "backward.cuh"
+#include "sm90_tiles.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+using namespace cuattn::sm90;
+
+namespace {
+
+// The split (hi at `dst`, lo LO floats further on) of a ROWS x COLS raw tile, both laid out
+// by `at`; the block's threads take 16-byte chunks in load_tile's order.
+template <int ROWS, int COLS, int THREADS, int LO, typename At>
+__device__ __forceinline__ void split_tile(float* dst, const float* raw, At at) {
+    for_own_chunks<ROWS, COLS, THREADS, true, float>(at, [&](int off) {
+        const float4 x = *reinterpret_cast<const float4*>(raw + off);
+        float4 h, l;
+        split_tf32(x.x, h.x, l.x);
+        split_tf32(x.y, h.y, l.y);
+        split_tf32(x.z, h.z, l.z);
+        split_tf32(x.w, h.w, l.w);
+        *reinterpret_cast<float4*>(dst + off) = h;
+        *reinterpret_cast<float4*>(dst + off + LO) = l;
+    });
+}
+
+// acc (64 x N) = A B^T by the split, A (64 rows) and B (N rows) K-contiguous tiles in shared
+// memory, each lo tile a_lo / b_lo bytes after its hi tile: A_hi B_lo, A_lo B_hi, A_hi B_hi
+// into the same accumulators (the first overwrites them). Fences and issues; the caller
+// commits and waits.
+template <int N, int CONTRACT>
+__device__ __forceinline__ void split_product_ss(float (&acc)[N / 8][4], unsigned a_tile,
+                                                 unsigned a_lo, unsigned b_tile, unsigned b_lo) {
+    wgmma_fence();
+    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile + b_lo);
+    product_ss<N, CONTRACT, float>(acc, a_tile + a_lo, b_tile, true);
+    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile, true);
+}
+
+// acc (64 x N) = X Z by the split, X given as its hi and lo A fragments
+// (tf32_split_fragments) and Z^T the N-row tile z_tile (lo z_lo bytes on), K-contiguous in
+// the fragments' order. Fences and issues; the caller commits, waits and keeps the fragments
+// until then.
+template <int N, int CONTRACT>
+__device__ __forceinline__ void split_product_rs(float (&acc)[N / 8][4],
+                                                 const unsigned (&hi)[CONTRACT / 8][4],
+                                                 const unsigned (&lo)[CONTRACT / 8][4],
+                                                 unsigned z_tile, unsigned z_lo) {
+    product_rs_tf32<N, CONTRACT>(acc, hi, z_tile + z_lo, false);
+    product_rs_tf32<N, CONTRACT, false>(acc, lo, z_tile, true);
+    product_rs_tf32<N, CONTRACT, false>(acc, hi, z_tile, true);
+}
+
+template <int N>
+__device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] += x[d][e];
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
+}
+
+}  // namespace
+
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
+          int MIN_BLOCKS>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    attention_bwd_dkdv_sm90_3xtf32(const AttnBwdParams bp) {
+    constexpr int THREADS = 128, BLOCK_N = 64;
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && (BLOCK_M == 16 || BLOCK_M == 32),
+                  "the shared memory of the split tiles");
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* k_s = reinterpret_cast<float*>(smem_raw);  // [hi, lo][64 x HEAD_DIM]
+    float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][64 x HEAD_DIM_V]
+    float* q_raw = v_s + 2 * V_ELEMS;                  // [2 stages][BLOCK_M x HEAD_DIM]
+    float* do_raw = q_raw + 2 * Q_ELEMS;               // [2 stages][BLOCK_M x HEAD_DIM_V]
+    float* q_s = do_raw + 2 * DO_ELEMS;                // [hi, lo][BLOCK_M x HEAD_DIM]
+    float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][BLOCK_M x HEAD_DIM_V]
+    float* qt_s = do_s + 2 * DO_ELEMS;                 // [hi, lo][HEAD_DIM x BLOCK_M]
+    float* dot_s = qt_s + 2 * Q_ELEMS;                 // [hi, lo][HEAD_DIM_V x BLOCK_M]
+    float* lse_s = dot_s + 2 * DO_ELEMS;               // [2 stages][BLOCK_M], log2 units
+    float* delta_s = lse_s + 2 * BLOCK_M;              // [2 stages][BLOCK_M]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // heaviest key blocks first: under causal masking the first keys are seen by the most rows
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const long long n_block = blk.row_block, b = blk.b;
+    const long long n0 = n_block * BLOCK_N;
+
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q, *k = in.k + n0 * p.k_s.row;
+    const float *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const float *lse = in.lse, *delta = in.delta;
+
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
+
+    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+                                                   p.head_dim, Sw128<BLOCK_N, 4>());
+    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
+                                                     p.seqlen_k - n0, p.head_dim_v,
+                                                     Sw128<BLOCK_N, 4>());
+    // Q, dO, lse (log2 units) and delta of query tile m0 into raw stage st
+    auto request_q = [&](long long m0, int st) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_raw + st * Q_ELEMS, q + m0 * p.q_s.row,
+                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                       p.head_dim, Sw128<BLOCK_M, 4>());
+        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+            do_raw + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M, 4>());
+        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+            const long long r = m0 + i;
+            lse_s[st * BLOCK_M + i] =
+                r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+        }
+    };
+    const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
+    if (tiles > 0) request_q(m_lo, 0);
+    cp_async_commit();  // K, V and the first query tile
+    cp_async_wait<0>();
+    // K and V split in place (lo tile after hi) by the threads that copied each chunk
+    round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, true, K_ELEMS>(k_s, Sw128<BLOCK_N, 4>());
+    round_own_tf32<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED, true, V_ELEMS>(v_s,
+                                                                        Sw128<BLOCK_N, 4>());
+
+    float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
+    zero(dk);
+    zero(dv);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const unsigned qt_base = smem_addr(qt_s), dot_base = smem_addr(dot_s);
+    const ScoreConsts<float> consts(p);
+
+    for (int t = 0; t < tiles; ++t) {
+        const int st = t & 1;
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        cp_async_wait<0>();  // this tile's copies (and K, V) have landed ...
+        __syncthreads();     // ... for every thread, which is done with tile t - 1
+        if (t + 1 < tiles) request_q(m0 + BLOCK_M, st ^ 1);  // the stage of tile t - 1
+        cp_async_commit();
+        // this tile's split tiles and transposed split tiles, from its raw stage
+        split_tile<BLOCK_M, HEAD_DIM, THREADS, Q_ELEMS>(q_s, q_raw + st * Q_ELEMS,
+                                                        Sw128<BLOCK_M, 4>());
+        split_tile<BLOCK_M, HEAD_DIM_V, THREADS, DO_ELEMS>(do_s, do_raw + st * DO_ELEMS,
+                                                           Sw128<BLOCK_M, 4>());
+        transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s, q_raw + st * Q_ELEMS);
+        transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s, do_raw + st * DO_ELEMS);
+        fence_proxy_async();  // visible to the tensor cores ...
+        __syncthreads();      // ... once every thread has written its part
+
+        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+        split_product_ss<BLOCK_M, HEAD_DIM>(s, k_base, K_ELEMS * 4, q_base, Q_ELEMS * 4);
+        split_product_ss<BLOCK_M, HEAD_DIM_V>(dp, v_base, V_ELEMS * 4, do_base, DO_ELEMS * 4);
+        wgmma_commit();
+        wgmma_wait<0>();
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const float* lse_t = lse_s + st * BLOCK_M;
+        const float* delta_t = delta_s + st * BLOCK_M;
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+                                      in.mask, in.bias, [&](int j, int e) {
+                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                          return make_float2(lse_t[col], delta_t[col]);
+                                      });
+        // this tile's dV and dK in fresh accumulators, then added in float32
+        unsigned p_hi[BLOCK_M / 8][4], p_lo[BLOCK_M / 8][4];
+        unsigned ds_hi[BLOCK_M / 8][4], ds_lo[BLOCK_M / 8][4];
+        tf32_split_fragments<BLOCK_M>(p_hi, p_lo, s);
+        tf32_split_fragments<BLOCK_M>(ds_hi, ds_lo, dp);
+        float dv_t[HEAD_DIM_V / 8][4], dk_t[HEAD_DIM / 8][4];
+        split_product_rs<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, dot_base, DO_ELEMS * 4);
+        split_product_rs<HEAD_DIM, BLOCK_M>(dk_t, ds_hi, ds_lo, qt_base, Q_ELEMS * 4);
+        wgmma_commit();
+        wgmma_wait<0>();
+        add_into(dv, dv_t);
+        add_into(dk, dk_t);
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    float* dk_out = reinterpret_cast<float*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    float* dv_out = reinterpret_cast<float*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    const long long row0 = n0 + warp * 16;
+    store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+               float(p.scale));
+    store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
+}
+
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, bool ALIGNED,
+          int MIN_BLOCKS>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    attention_bwd_dq_sm90_3xtf32(const AttnBwdParams bp) {
+    constexpr int THREADS = 128, BLOCK_M = 64;
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 &&
+                      (BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64),
+                  "the shared memory of the split tiles");
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [hi, lo][64 x HEAD_DIM]
+    float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][64 x HEAD_DIM_V]
+    float* k_raw = do_s + 2 * DO_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM]
+    float* v_raw = k_raw + 2 * K_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM_V]
+    float* k_s = v_raw + 2 * V_ELEMS;                  // [hi, lo][BLOCK_N x HEAD_DIM]
+    float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][BLOCK_N x HEAD_DIM_V]
+    float* kt_s = v_s + 2 * V_ELEMS;                   // [hi, lo][HEAD_DIM x BLOCK_N]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
+    const long long m0 = m_block * BLOCK_M;
+
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q + m0 * p.q_s.row, *k = in.k;
+    const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
+    const float *lse = in.lse, *delta = in.delta;
+
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
+
+    auto request_kv = [&](long long n0, int st) {
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            k_raw + st * K_ELEMS, v_raw + st * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N, 4>(),
+            Sw128<BLOCK_N, 4>());
+    };
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+                                                   p.head_dim, Sw128<BLOCK_M, 4>());
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
+                                                     p.seqlen_q - m0, p.head_dim_v,
+                                                     Sw128<BLOCK_M, 4>());
+    const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
+    if (tiles > 0) request_kv(n_lo, 0);
+    cp_async_commit();  // Q, dO and the first key tile
+    cp_async_wait<0>();
+    round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, true, Q_ELEMS>(q_s, Sw128<BLOCK_M, 4>());
+    round_own_tf32<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED, true, DO_ELEMS>(do_s,
+                                                                         Sw128<BLOCK_M, 4>());
+
+    // this lane's two rows (g and g + 8 of the warp's 16)
+    float lse_log2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+    float dq[HEAD_DIM / 8][4];
+    zero(dq);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s), kt_base = smem_addr(kt_s);
+    const ScoreConsts<float> consts(p);
+
+    for (int t = 0; t < tiles; ++t) {
+        const int st = t & 1;
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        cp_async_wait<0>();  // this key tile (and Q, dO) have landed ...
+        __syncthreads();     // ... for every thread, which is done with tile t - 1
+        if (t + 1 < tiles) request_kv(n0 + BLOCK_N, st ^ 1);  // the stage of tile t - 1
+        cp_async_commit();
+        split_tile<BLOCK_N, HEAD_DIM, THREADS, K_ELEMS>(k_s, k_raw + st * K_ELEMS,
+                                                        Sw128<BLOCK_N, 4>());
+        split_tile<BLOCK_N, HEAD_DIM_V, THREADS, V_ELEMS>(v_s, v_raw + st * V_ELEMS,
+                                                          Sw128<BLOCK_N, 4>());
+        transpose_v<BLOCK_N, HEAD_DIM, THREADS, true>(kt_s, k_raw + st * K_ELEMS);
+        fence_proxy_async();  // visible to the tensor cores ...
+        __syncthreads();      // ... once every thread has written its part
+
+        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];  // S, dP: queries x keys
+        split_product_ss<BLOCK_N, HEAD_DIM>(s, q_base, Q_ELEMS * 4, k_base, K_ELEMS * 4);
+        split_product_ss<BLOCK_N, HEAD_DIM_V>(dp, do_base, DO_ELEMS * 4, v_base, V_ELEMS * 4);
+        wgmma_commit();
+        wgmma_wait<0>();
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                                       in.mask, in.bias, [&](int, int e) {
+                                           return make_float2(lse_log2[e / 2], dl[e / 2]);
+                                       });
+        // this tile's dQ in fresh accumulators, then added in float32
+        unsigned ds_hi[BLOCK_N / 8][4], ds_lo[BLOCK_N / 8][4];
+        tf32_split_fragments<BLOCK_N>(ds_hi, ds_lo, dp);
+        float dq_t[HEAD_DIM / 8][4];
+        split_product_rs<HEAD_DIM, BLOCK_N>(dq_t, ds_hi, ds_lo, kt_base, K_ELEMS * 4);
+        wgmma_commit();
+        wgmma_wait<0>();
+        add_into(dq, dq_t);
+    }
+    cp_async_wait<0>();
+
+    float* dq_out = reinterpret_cast<float*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+    store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
+               lane, float(p.scale));
+}
