@@ -980,12 +980,12 @@ class Sm90F32BwdTiles:
 
 #: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
 #: kernels were written without a GPU (sixteenth session). ptxas (sm_90a): 32-query dK/dV
-#: 222 registers, 64-key dQ 234, 16-query dK/dV 190, 16-key dQ 158, no spills; shared memory
-#: 160.5, 224, 112.3 and 104 KB.
+#: 222 registers, 64-key dQ 234, 32-key dQ 162, no spills; shared memory 160.5, 224 and
+#: 144 KB (one block per SM). 16-row tiles would need transposed tiles padded to 32 columns.
 SM90_F32_BACKWARD_TILES = (
-    (64, (Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(16, 16, 2, 2)),
+    (64, (Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32)),
      "not measured: written without a GPU; tools/sweep_backward.py --sm90-f32 times the "
-     "candidates (one block per SM at 32-query / 64-key tiles, two at 16 / 16)"),
+     "candidates"),
 )
 
 

@@ -30,8 +30,8 @@
 //             Each gradient element is written once by one thread: no atomics, repeated
 //             calls are bit-identical.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64, zero-padded: the shared memory of
-//             the split tiles); the tile of the other sequence (BLOCK_M for dK/dV: 16 or 32;
-//             BLOCK_N for dQ: 16, 32 or 64); ALIGNED (16-byte cp.async copies: unit column strides,
+//             the split tiles); the tile of the other sequence (BLOCK_M for dK/dV: 32;
+//             BLOCK_N for dQ: 32 or 64: a transposed tile fills whole 128-byte rows); ALIGNED (16-byte cp.async copies: unit column strides,
 //             16-byte rows and pointers; otherwise element loads); MIN_BLOCKS. Gradients are
 //             float32.
 // Shared mem: dK/dV: (2*64*(HEAD_DIM+HEAD_DIM_V) + 6*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
@@ -118,7 +118,9 @@ template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     attention_bwd_dkdv_sm90_3xtf32(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_N = 64;
-    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && (BLOCK_M == 16 || BLOCK_M == 32),
+    // BLOCK_M = 16 would leave half of each 128-byte row of Q^T and dO^T unused (their lo
+    // tiles would need 128-row spacing); 64 does not fit (registers, shared memory)
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && BLOCK_M == 32,
                   "the shared memory of the split tiles");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
@@ -247,9 +249,8 @@ template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     attention_bwd_dq_sm90_3xtf32(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_M = 64;
-    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 &&
-                      (BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64),
-                  "the shared memory of the split tiles");
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && (BLOCK_N == 32 || BLOCK_N == 64),
+                  "the shared memory of the split tiles (K^T rows of whole 128 bytes)");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     const AttnParams& p = bp.f;

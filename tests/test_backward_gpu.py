@@ -408,11 +408,10 @@ def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
            rng, tiles=SEPARATE_TILES, **kw)
 
 
-#: The sm90_3xtf32 backward (reached only when forced): 16- and 32-query dK/dV tiles, 16-,
-#: 32- and 64-key dQ tiles, one and two blocks per SM, over the fused form's band and mask
-#: cases and long ones (many tiles: both raw stages refilled many times).
-SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32),
-                  Sm90F32BwdTiles(16, 16, 2, 2)]
+#: The sm90_3xtf32 backward (reached only when forced): 32- and 64-key dQ tiles, over the
+#: fused form's band and mask cases and long ones (many tiles: both raw stages refilled many
+#: times).
+SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32)]
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES)

@@ -283,8 +283,8 @@ def test_sm90_3xtf32_backward_is_reached_only_when_forced():
     # tiles + K^T (hi, lo)
     assert (choice.smem_dkdv, choice.smem_dq) == ((2 * 64 * 128 + 6 * 32 * 128 + 128) * 4,
                                                   (2 * 64 * 128 + 4 * 64 * 128 + 2 * 64 * 64) * 4)
-    small = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(16, 16, 2, 2))
-    assert small.dkdv.endswith(", 64, 64, 16, true, 2>") and small.smem_dkdv * 2 <= 232448
+    small = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 32))
+    assert small.dq.endswith(", 64, 64, 32, true, 1>") and small.smem_dq == 144 * 1024
     assert backward(F32, 128, forced="sm90_3xtf32") is None       # head dims to 64
     assert backward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
     assert backward(F32, 64, forced="sm90_3xtf32", gpu=A100) is None

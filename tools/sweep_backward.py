@@ -62,7 +62,7 @@ F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f
 
 G = Sm90F32BwdTiles
 SM90_F32_CANDIDATES = {  # head dim -> tiles: (dK/dV query tile, dQ key tile[, min blocks])
-    64: [G(32, 64), G(32, 32), G(16, 16, 2, 2), G(16, 64, 2, 1), G(32, 16, 1, 2)],
+    64: [G(32, 64), G(32, 32)],
 }
 
 
