@@ -976,16 +976,22 @@ class Sm90F32BwdTiles:
     block_n: int   # key tile of the dQ kernel (64 query rows per block)
     dkdv_min_blocks: int = 1
     dq_min_blocks: int = 1
+    #: the overlapped forms: the next tile split and transposed while the tensor cores run
+    #: this tile's gradient products (two buffers of the transposed tiles)
+    dkdv_overlap: bool = False
+    dq_overlap: bool = False
 
 
 #: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
-#: kernels were written without a GPU (sixteenth session). ptxas (sm_90a): 32-query dK/dV
-#: 222 registers, 64-key dQ 234, 32-key dQ 162, no spills; shared memory 160.5, 224 and
-#: 144 KB (one block per SM). 16-row tiles would need transposed tiles padded to 32 columns.
+#: kernels were written without a GPU (sixteenth session). ptxas (sm_90a), fast instances:
+#: 32-query dK/dV 233 registers (overlapped 253), 64-key dQ 234, 32-key dQ 168 (overlapped
+#: 199), no spills; shared memory 160.5 (192.5) KB, 224 KB, 144 (160) KB: one block per SM.
+#: 16-row tiles would need transposed tiles padded to 32 columns.
 SM90_F32_BACKWARD_TILES = (
-    (64, (Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32)),
-     "not measured: written without a GPU; tools/sweep_backward.py --sm90-f32 times the "
-     "candidates"),
+    (64, (Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True), Sm90F32BwdTiles(32, 64)),
+     "not measured: written without a GPU; the overlapped forms first (predicted faster: the "
+     "split and transpose pass under the gradient products); tools/sweep_backward.py "
+     "--sm90-f32 times the candidates"),
 )
 
 
@@ -993,8 +999,9 @@ def sm90_f32_backward_smem_bytes(tiles: Sm90F32BwdTiles, hd: int, hdv: int) -> t
     """Dynamic shared memory of attention_bwd_dkdv_sm90_3xtf32 and
     attention_bwd_dq_sm90_3xtf32 (the .cu header)."""
     bm, bn = tiles.block_m, tiles.block_n
-    dkdv = (2 * 64 * (hd + hdv) + 6 * bm * (hd + hdv) + 2 * 2 * bm) * 4
-    dq = (2 * 64 * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * bn * hd) * 4
+    t_bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
+    dkdv = (2 * 64 * (hd + hdv) + (4 + 2 * t_bufs[0]) * bm * (hd + hdv) + 2 * 2 * bm) * 4
+    dq = (2 * 64 * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * t_bufs[1] * bn * hd) * 4
     return dkdv, dq
 
 
@@ -1012,8 +1019,9 @@ def _sm90_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: boo
     return BackwardChoice(
         "sm90_3xtf32", "attention_backward_sm90_tf32.cu", "attention_bwd_delta<float>",
         f"attention_bwd_dkdv_sm90_3xtf32<{flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}>",
-        f"attention_bwd_dq_sm90_3xtf32<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}>",
+        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}>",
+        f"attention_bwd_dq_sm90_3xtf32<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}, "
+        f"{str(tiles.dq_overlap).lower()}>",
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
 
 

@@ -31,18 +31,26 @@
 //             calls are bit-identical.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64, zero-padded: the shared memory of
 //             the split tiles); the tile of the other sequence (BLOCK_M for dK/dV: 32;
-//             BLOCK_N for dQ: 32 or 64: a transposed tile fills whole 128-byte rows); ALIGNED (16-byte cp.async copies: unit column strides,
-//             16-byte rows and pointers; otherwise element loads); MIN_BLOCKS. Gradients are
-//             float32.
-// Shared mem: dK/dV: (2*64*(HEAD_DIM+HEAD_DIM_V) + 6*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
+//             BLOCK_N for dQ: 32 or 64: a transposed tile fills whole 128-byte rows); ALIGNED
+//             (16-byte cp.async copies: unit column strides, 16-byte rows and pointers;
+//             otherwise element loads); MIN_BLOCKS; OVERLAP (the next tile is split and
+//             transposed while the tensor cores run this tile's gradient products: two
+//             buffers of the transposed tiles). Gradients are float32.
+// Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait; the
+//             element-wise pass, the fragments and the gradient products issued into fresh
+//             accumulators; then either (plain) wait, add, and prepare tile t + 1 -- a
+//             barrier, the request of tile t + 2's raw tiles into the stage that tile t used,
+//             the split and transposed tiles of t + 1, a proxy fence and a barrier -- or
+//             (OVERLAP) prepare t + 1 first and wait and add after.
+// Shared mem: dK/dV: (2*64*(HEAD_DIM+HEAD_DIM_V) + (4+2*B)*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*2*BLOCK_M)*4 bytes: K and V (hi, lo), two raw stages of Q and dO, their
-//             split tiles (hi, lo) and their transposed split tiles (hi, lo);
+//             split tiles (hi, lo) and B buffers of their transposed split tiles (hi, lo);
 //             dQ: (2*64*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
-//             + 2*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo), two raw stages of K and V,
-//             their split tiles and the transposed split K; every tile in the 128-byte-swizzle
-//             layout (sm90_tiles.cuh) with 32-float column groups, each lo tile right after its
-//             hi tile. cuattn/_dispatch.py::sm90_3xtf32_backward_smem_bytes computes the same
-//             numbers.
+//             + 2*B*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo), two raw stages of K and V,
+//             their split tiles and B buffers of the transposed split K; B = 2 with OVERLAP,
+//             else 1. Every tile in the 128-byte-swizzle layout (sm90_tiles.cuh) with
+//             32-float column groups, each lo tile right after its hi tile.
+//             cuattn/_dispatch.py::sm90_f32_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "sm90_tiles.cuh"
 
@@ -114,7 +122,7 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
-          int MIN_BLOCKS>
+          int MIN_BLOCKS, bool OVERLAP>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     attention_bwd_dkdv_sm90_3xtf32(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_N = 64;
@@ -124,6 +132,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                   "the shared memory of the split tiles");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    constexpr int T_BUFS = OVERLAP ? 2 : 1;  // transposed tiles: one per tile in flight
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -133,9 +142,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     float* do_raw = q_raw + 2 * Q_ELEMS;               // [2 stages][BLOCK_M x HEAD_DIM_V]
     float* q_s = do_raw + 2 * DO_ELEMS;                // [hi, lo][BLOCK_M x HEAD_DIM]
     float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][BLOCK_M x HEAD_DIM_V]
-    float* qt_s = do_s + 2 * DO_ELEMS;                 // [hi, lo][HEAD_DIM x BLOCK_M]
-    float* dot_s = qt_s + 2 * Q_ELEMS;                 // [hi, lo][HEAD_DIM_V x BLOCK_M]
-    float* lse_s = dot_s + 2 * DO_ELEMS;               // [2 stages][BLOCK_M], log2 units
+    float* qt_s = do_s + 2 * DO_ELEMS;                 // [T_BUFS][hi, lo][HEAD_DIM x BLOCK_M]
+    float* dot_s = qt_s + T_BUFS * 2 * Q_ELEMS;        // [T_BUFS][hi, lo][HEAD_DIM_V x BLOCK_M]
+    float* lse_s = dot_s + T_BUFS * 2 * DO_ELEMS;      // [2 stages][BLOCK_M], log2 units
     float* delta_s = lse_s + 2 * BLOCK_M;              // [2 stages][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -153,14 +162,17 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
     const Range queries = query_band(p, n0, n_last, BLOCK_M);
     const long long m_lo = queries.lo, m_hi = queries.hi;
+    const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
 
     load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                    p.head_dim, Sw128<BLOCK_N, 4>());
     load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
                                                      p.seqlen_k - n0, p.head_dim_v,
                                                      Sw128<BLOCK_N, 4>());
-    // Q, dO, lse (log2 units) and delta of query tile m0 into raw stage st
-    auto request_q = [&](long long m0, int st) {
+    // Q, dO, lse (log2 units) and delta of query tile t into raw stage t % 2
+    auto request_q = [&](int t) {
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        const int st = t & 1;
         load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_raw + st * Q_ELEMS, q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Sw128<BLOCK_M, 4>());
@@ -174,8 +186,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
             delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
         }
     };
-    const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
-    if (tiles > 0) request_q(m_lo, 0);
+    if (tiles > 0) request_q(0);
     cp_async_commit();  // K, V and the first query tile
     cp_async_wait<0>();
     // K and V split in place (lo tile after hi) by the threads that copied each chunk
@@ -191,28 +202,38 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     const unsigned qt_base = smem_addr(qt_s), dot_base = smem_addr(dot_s);
     const ScoreConsts<float> consts(p);
 
-    for (int t = 0; t < tiles; ++t) {
-        const int st = t & 1;
-        const long long m0 = m_lo + (long long)t * BLOCK_M;
-        cp_async_wait<0>();  // this tile's copies (and K, V) have landed ...
-        __syncthreads();     // ... for every thread, which is done with tile t - 1
-        if (t + 1 < tiles) request_q(m0 + BLOCK_M, st ^ 1);  // the stage of tile t - 1
+    using Acc = float[BLOCK_M / 8][4];      // S^T, dP^T: keys x queries
+    using Frag = unsigned[BLOCK_M / 8][4];  // P^T, dS^T as A fragments (hi or lo)
+    // tile t's raw stage has landed for this thread: once it has for every thread (and every
+    // thread is done with the tiles that the writes below replace), the next tile is
+    // requested into the other stage and tile t's split and transposed split tiles written
+    auto prepare = [&](int t) {
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
+        __syncthreads();
+        if (t + 1 < tiles) request_q(t + 1);
         cp_async_commit();
-        // this tile's split tiles and transposed split tiles, from its raw stage
         split_tile<BLOCK_M, HEAD_DIM, THREADS, Q_ELEMS>(q_s, q_raw + st * Q_ELEMS,
                                                         Sw128<BLOCK_M, 4>());
         split_tile<BLOCK_M, HEAD_DIM_V, THREADS, DO_ELEMS>(do_s, do_raw + st * DO_ELEMS,
                                                            Sw128<BLOCK_M, 4>());
-        transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s, q_raw + st * Q_ELEMS);
-        transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s, do_raw + st * DO_ELEMS);
+        transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s + buf * 2 * Q_ELEMS,
+                                                      q_raw + st * Q_ELEMS);
+        transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s + buf * 2 * DO_ELEMS,
+                                                        do_raw + st * DO_ELEMS);
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
-
-        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+    };
+    auto scores = [&](Acc& s, Acc& dp) {  // S^T, dP^T of the prepared tile
         split_product_ss<BLOCK_M, HEAD_DIM>(s, k_base, K_ELEMS * 4, q_base, Q_ELEMS * 4);
         split_product_ss<BLOCK_M, HEAD_DIM_V>(dp, v_base, V_ELEMS * 4, do_base, DO_ELEMS * 4);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    // S^T, dP^T of tile t done: P^T and dS^T, their fragments, and tile t's dV and dK issued
+    // into the fresh accumulators (the fragments stay untouched until they are done)
+    auto grads = [&](int t, Acc& s, Acc& dp, Frag& p_hi, Frag& p_lo, Frag& ds_hi, Frag& ds_lo,
+                     float (&dv_t)[HEAD_DIM_V / 8][4], float (&dk_t)[HEAD_DIM / 8][4]) {
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         const float* lse_t = lse_s + st * BLOCK_M;
         const float* delta_t = delta_s + st * BLOCK_M;
@@ -221,18 +242,40 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                                           const int col = 8 * j + 2 * (lane % 4) + e % 2;
                                           return make_float2(lse_t[col], delta_t[col]);
                                       });
-        // this tile's dV and dK in fresh accumulators, then added in float32
-        unsigned p_hi[BLOCK_M / 8][4], p_lo[BLOCK_M / 8][4];
-        unsigned ds_hi[BLOCK_M / 8][4], ds_lo[BLOCK_M / 8][4];
         tf32_split_fragments<BLOCK_M>(p_hi, p_lo, s);
         tf32_split_fragments<BLOCK_M>(ds_hi, ds_lo, dp);
-        float dv_t[HEAD_DIM_V / 8][4], dk_t[HEAD_DIM / 8][4];
-        split_product_rs<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, dot_base, DO_ELEMS * 4);
-        split_product_rs<HEAD_DIM, BLOCK_M>(dk_t, ds_hi, ds_lo, qt_base, Q_ELEMS * 4);
+        split_product_rs<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, dot_base + buf * 2 * DO_ELEMS * 4,
+                                              DO_ELEMS * 4);
+        split_product_rs<HEAD_DIM, BLOCK_M>(dk_t, ds_hi, ds_lo, qt_base + buf * 2 * Q_ELEMS * 4,
+                                            Q_ELEMS * 4);
         wgmma_commit();
+    };
+
+    if (tiles > 0) prepare(0);
+    // OVERLAP: tile t + 1 is prepared (split, transposed) while the tensor cores run tile
+    // t's dV and dK. Every wgmma is issued outside a branch, and each tile's accumulators
+    // and fragments are the loop body's own (nothing of them lives across iterations).
+    for (int t = 0; t < tiles; ++t) {
+        Acc s, dp;
+        scores(s, dp);
         wgmma_wait<0>();
-        add_into(dv, dv_t);
-        add_into(dk, dk_t);
+        Frag p_hi, p_lo, ds_hi, ds_lo;
+        float dv_t[HEAD_DIM_V / 8][4], dk_t[HEAD_DIM / 8][4];  // this tile's dV, dK
+        grads(t, s, dp, p_hi, p_lo, ds_hi, ds_lo, dv_t, dk_t);
+        if constexpr (!OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dv, dv_t);
+            add_into(dk, dk_t);
+        }
+        if (t + 1 < tiles) {
+            cp_async_wait<0>();  // tile t + 1 (requested by prepare(t)) has landed
+            prepare(t + 1);
+        }
+        if constexpr (OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dv, dv_t);
+            add_into(dk, dk_t);
+        }
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
@@ -245,7 +288,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, bool ALIGNED,
-          int MIN_BLOCKS>
+          int MIN_BLOCKS, bool OVERLAP>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     attention_bwd_dq_sm90_3xtf32(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_M = 64;
@@ -262,7 +305,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     float* v_raw = k_raw + 2 * K_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM_V]
     float* k_s = v_raw + 2 * V_ELEMS;                  // [hi, lo][BLOCK_N x HEAD_DIM]
     float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][BLOCK_N x HEAD_DIM_V]
-    float* kt_s = v_s + 2 * V_ELEMS;                   // [hi, lo][HEAD_DIM x BLOCK_N]
+    float* kt_s = v_s + 2 * V_ELEMS;  // [OVERLAP ? 2 : 1][hi, lo][HEAD_DIM x BLOCK_N]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -279,19 +322,19 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
     const Range keys = key_band(p, m0, m_last, BLOCK_N);
     const long long n_lo = keys.lo, n_hi = keys.hi;
+    const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
 
-    auto request_kv = [&](long long n0, int st) {
+    auto request_kv = [&](int t) {  // key tile t into raw stage t % 2
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_raw + st * K_ELEMS, v_raw + st * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N, 4>(),
-            Sw128<BLOCK_N, 4>());
+            k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, k, v,
+            n_lo + (long long)t * BLOCK_N, p, Sw128<BLOCK_N, 4>(), Sw128<BLOCK_N, 4>());
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Sw128<BLOCK_M, 4>());
     load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
                                                      p.seqlen_q - m0, p.head_dim_v,
                                                      Sw128<BLOCK_M, 4>());
-    const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
-    if (tiles > 0) request_kv(n_lo, 0);
+    if (tiles > 0) request_kv(0);
     cp_async_commit();  // Q, dO and the first key tile
     cp_async_wait<0>();
     round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, true, Q_ELEMS>(q_s, Sw128<BLOCK_M, 4>());
@@ -312,39 +355,64 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s), kt_base = smem_addr(kt_s);
     const ScoreConsts<float> consts(p);
 
-    for (int t = 0; t < tiles; ++t) {
-        const int st = t & 1;
-        const long long n0 = n_lo + (long long)t * BLOCK_N;
-        cp_async_wait<0>();  // this key tile (and Q, dO) have landed ...
-        __syncthreads();     // ... for every thread, which is done with tile t - 1
-        if (t + 1 < tiles) request_kv(n0 + BLOCK_N, st ^ 1);  // the stage of tile t - 1
+    using Acc = float[BLOCK_N / 8][4];      // S, dP: queries x keys
+    using Frag = unsigned[BLOCK_N / 8][4];  // dS as A fragments (hi or lo)
+    // as in the dK/dV kernel: key tile t landed here; the next requested, t's tiles written
+    auto prepare = [&](int t) {
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
+        __syncthreads();
+        if (t + 1 < tiles) request_kv(t + 1);
         cp_async_commit();
         split_tile<BLOCK_N, HEAD_DIM, THREADS, K_ELEMS>(k_s, k_raw + st * K_ELEMS,
                                                         Sw128<BLOCK_N, 4>());
         split_tile<BLOCK_N, HEAD_DIM_V, THREADS, V_ELEMS>(v_s, v_raw + st * V_ELEMS,
                                                           Sw128<BLOCK_N, 4>());
-        transpose_v<BLOCK_N, HEAD_DIM, THREADS, true>(kt_s, k_raw + st * K_ELEMS);
+        transpose_v<BLOCK_N, HEAD_DIM, THREADS, true>(kt_s + buf * 2 * K_ELEMS,
+                                                      k_raw + st * K_ELEMS);
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
-
-        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];  // S, dP: queries x keys
+    };
+    auto scores = [&](Acc& s, Acc& dp) {  // S, dP of the prepared tile
         split_product_ss<BLOCK_N, HEAD_DIM>(s, q_base, Q_ELEMS * 4, k_base, K_ELEMS * 4);
         split_product_ss<BLOCK_N, HEAD_DIM_V>(dp, do_base, DO_ELEMS * 4, v_base, V_ELEMS * 4);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    // S, dP of tile t done: dS, its fragments, tile t's dQ issued
+    auto grads = [&](int t, Acc& s, Acc& dp, Frag& ds_hi, Frag& ds_lo,
+                     float (&dq_t)[HEAD_DIM / 8][4]) {
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        const int buf = OVERLAP ? t & 1 : 0;
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
                                        in.mask, in.bias, [&](int, int e) {
                                            return make_float2(lse_log2[e / 2], dl[e / 2]);
                                        });
-        // this tile's dQ in fresh accumulators, then added in float32
-        unsigned ds_hi[BLOCK_N / 8][4], ds_lo[BLOCK_N / 8][4];
         tf32_split_fragments<BLOCK_N>(ds_hi, ds_lo, dp);
-        float dq_t[HEAD_DIM / 8][4];
-        split_product_rs<HEAD_DIM, BLOCK_N>(dq_t, ds_hi, ds_lo, kt_base, K_ELEMS * 4);
+        split_product_rs<HEAD_DIM, BLOCK_N>(dq_t, ds_hi, ds_lo, kt_base + buf * 2 * K_ELEMS * 4,
+                                            K_ELEMS * 4);
         wgmma_commit();
+    };
+
+    if (tiles > 0) prepare(0);
+    for (int t = 0; t < tiles; ++t) {  // as in the dK/dV kernel
+        Acc s, dp;
+        scores(s, dp);
         wgmma_wait<0>();
-        add_into(dq, dq_t);
+        Frag ds_hi, ds_lo;
+        float dq_t[HEAD_DIM / 8][4];  // this tile's dQ
+        grads(t, s, dp, ds_hi, ds_lo, dq_t);
+        if constexpr (!OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
+        if (t + 1 < tiles) {
+            cp_async_wait<0>();
+            prepare(t + 1);
+        }
+        if constexpr (OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
     }
     cp_async_wait<0>();
 

@@ -408,10 +408,11 @@ def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
            rng, tiles=SEPARATE_TILES, **kw)
 
 
-#: The sm90_3xtf32 backward (reached only when forced): 32- and 64-key dQ tiles, over the
-#: fused form's band and mask cases and long ones (many tiles: both raw stages refilled many
-#: times).
-SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32)]
+#: The sm90_3xtf32 backward (reached only when forced): 32- and 64-key dQ tiles, the plain
+#: and the overlapped forms, over the fused form's band and mask cases and long ones (many
+#: tiles: both raw stages and both transposed buffers refilled many times).
+SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32),
+                  Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True)]
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES)
