@@ -6,11 +6,13 @@
 //             two kernels after delta (backward.cuh) and the same element-wise rule
 //             (p_and_ds_tile); the products run as warpgroup MMAs. Each operand x is split
 //             into hi = tf32(x) (to nearest) and lo = x - hi, and every product is
-//             A_hi B_lo + A_lo B_hi + A_hi B_hi in that order (the small terms first); the
-//             gradient products of each tile (one query tile for dK/dV, one key tile for dQ)
-//             go into fresh accumulators that are added to the running gradient in float32,
-//             since the tensor cores' accumulation truncates (tools/emulate_3xtf32.py
-//             --backward: in place 1.30x the accuracy bound, fresh 0.83x; a hi part that the
+//             A_hi B_hi + A_hi B_lo + A_lo B_hi. In the score products (S, dP) the small
+//             terms accumulate apart from hi.hi and join it in float32 (S as the sm90_3xtf32
+//             forward forms it: split_product_ss); the gradient products of each tile (one
+//             query tile for dK/dV, one key tile for dQ) go into fresh accumulators, the
+//             small terms first, that are added to the running gradient in float32, since
+//             the tensor cores' accumulation truncates (tools/emulate_3xtf32.py --backward:
+//             in place 1.30x the accuracy bound, fresh 0.83x; a hi part that the
 //             instruction truncates instead of one rounded to nearest 1.54x).
 // Operands:   TF32 wgmma reads both shared-memory operands K-contiguous (no transposed
 //             descriptors for 32-bit types). S^T = K Q^T and dP^T = V dO^T (dK/dV), S = Q K^T
@@ -36,7 +38,7 @@
 //             otherwise element loads); MIN_BLOCKS; OVERLAP (the next tile is split and
 //             transposed while the tensor cores run this tile's gradient products: two
 //             buffers of the transposed tiles). Gradients are float32.
-// Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait; the
+// Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum; the
 //             element-wise pass, the fragments and the gradient products issued into fresh
 //             accumulators; then either (plain) wait, add, and prepare tile t + 1 -- a
 //             barrier, the request of tile t + 2's raw tiles into the stage that tile t used,
@@ -77,16 +79,39 @@ __device__ __forceinline__ void split_tile(float* dst, const float* raw, At at) 
 }
 
 // acc (64 x N) = A B^T by the split, A (64 rows) and B (N rows) K-contiguous tiles in shared
-// memory, each lo tile a_lo / b_lo bytes after its hi tile: A_hi B_lo, A_lo B_hi, A_hi B_hi
-// into the same accumulators (the first overwrites them). Fences and issues; the caller
-// commits and waits.
-template <int N, int CONTRACT>
-__device__ __forceinline__ void split_product_ss(float (&acc)[N / 8][4], unsigned a_tile,
+// memory, each lo tile a_lo / b_lo bytes after its hi tile, with the terms in accumulators
+// of their own: acc = A_hi B_hi, x = A_hi B_lo, y = A_lo B_hi (with SHARED, y is x and the
+// two small terms share it); split_sum then forms acc + (x + y). The large accumulator takes
+// one truncating step per k8 instead of three (the mma_3xtf32 backward measured 1.55x the
+// accuracy bound with all three in one accumulator, 0.61x apart: docs/kernels.rst, tenth
+// session), and for S the sum is the forwards' hh + (hl + lh), so that the backward's
+// scores are the sm90_3xtf32 forward's and their split errors cancel in P = exp(S - lse).
+// Fences and issues; the caller commits and waits.
+template <int N, int CONTRACT, bool SHARED>
+__device__ __forceinline__ void split_product_ss(float (&acc)[N / 8][4], float (&x)[N / 8][4],
+                                                 float (&y)[N / 8][4], unsigned a_tile,
                                                  unsigned a_lo, unsigned b_tile, unsigned b_lo) {
     wgmma_fence();
-    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile + b_lo);
-    product_ss<N, CONTRACT, float>(acc, a_tile + a_lo, b_tile, true);
-    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile, true);
+    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile);
+    product_ss<N, CONTRACT, float>(x, a_tile, b_tile + b_lo);
+    product_ss<N, CONTRACT, float>(SHARED ? x : y, a_tile + a_lo, b_tile, SHARED);
+}
+
+template <int N8>
+__device__ __forceinline__ void split_sum(float (&acc)[N8][4], const float (&x)[N8][4],
+                                          const float (&y)[N8][4]) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = acc[j][e] + (x[j][e] + y[j][e]);
+}
+
+template <int N8>
+__device__ __forceinline__ void split_sum(float (&acc)[N8][4], const float (&x)[N8][4]) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += x[j][e];
 }
 
 // acc (64 x N) = X Z by the split, X given as its hi and lo A fragments
@@ -223,10 +248,18 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
     };
-    auto scores = [&](Acc& s, Acc& dp) {  // S^T, dP^T of the prepared tile
-        split_product_ss<BLOCK_M, HEAD_DIM>(s, k_base, K_ELEMS * 4, q_base, Q_ELEMS * 4);
-        split_product_ss<BLOCK_M, HEAD_DIM_V>(dp, v_base, V_ELEMS * 4, do_base, DO_ELEMS * 4);
+    // S^T, dP^T of the prepared tile, each split term apart (S^T: three accumulators, dP^T:
+    // two), summed once they are done
+    auto scores = [&](Acc& s, Acc& dp) {
+        Acc s_x, s_y, dp_x;
+        split_product_ss<BLOCK_M, HEAD_DIM, false>(s, s_x, s_y, k_base, K_ELEMS * 4, q_base,
+                                                   Q_ELEMS * 4);
+        split_product_ss<BLOCK_M, HEAD_DIM_V, true>(dp, dp_x, dp_x, v_base, V_ELEMS * 4, do_base,
+                                                    DO_ELEMS * 4);
         wgmma_commit();
+        wgmma_wait<0>();
+        split_sum(s, s_x, s_y);
+        split_sum(dp, dp_x);
     };
     // S^T, dP^T of tile t done: P^T and dS^T, their fragments, and tile t's dV and dK issued
     // into the fresh accumulators (the fragments stay untouched until they are done)
@@ -258,7 +291,6 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     for (int t = 0; t < tiles; ++t) {
         Acc s, dp;
         scores(s, dp);
-        wgmma_wait<0>();
         Frag p_hi, p_lo, ds_hi, ds_lo;
         float dv_t[HEAD_DIM_V / 8][4], dk_t[HEAD_DIM / 8][4];  // this tile's dV, dK
         grads(t, s, dp, p_hi, p_lo, ds_hi, ds_lo, dv_t, dk_t);
@@ -372,10 +404,16 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
     };
-    auto scores = [&](Acc& s, Acc& dp) {  // S, dP of the prepared tile
-        split_product_ss<BLOCK_N, HEAD_DIM>(s, q_base, Q_ELEMS * 4, k_base, K_ELEMS * 4);
-        split_product_ss<BLOCK_N, HEAD_DIM_V>(dp, do_base, DO_ELEMS * 4, v_base, V_ELEMS * 4);
+    auto scores = [&](Acc& s, Acc& dp) {  // S, dP of the prepared tile, as in dK/dV
+        Acc s_x, s_y, dp_x;
+        split_product_ss<BLOCK_N, HEAD_DIM, false>(s, s_x, s_y, q_base, Q_ELEMS * 4, k_base,
+                                                   K_ELEMS * 4);
+        split_product_ss<BLOCK_N, HEAD_DIM_V, true>(dp, dp_x, dp_x, do_base, DO_ELEMS * 4,
+                                                    v_base, V_ELEMS * 4);
         wgmma_commit();
+        wgmma_wait<0>();
+        split_sum(s, s_x, s_y);
+        split_sum(dp, dp_x);
     };
     // S, dP of tile t done: dS, its fragments, tile t's dQ issued
     auto grads = [&](int t, Acc& s, Acc& dp, Frag& ds_hi, Frag& ds_lo,
@@ -397,7 +435,6 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     for (int t = 0; t < tiles; ++t) {  // as in the dK/dV kernel
         Acc s, dp;
         scores(s, dp);
-        wgmma_wait<0>();
         Frag ds_hi, ds_lo;
         float dq_t[HEAD_DIM / 8][4];  // this tile's dQ
         grads(t, s, dp, ds_hi, ds_lo, dq_t);

@@ -120,10 +120,14 @@ SCHEMES = [  # (label, scheme, P V into O)
 ]
 
 
-def gradients(q, k, v, dout, out, lse, rounding, in_place, scheme="small first"):
+def gradients(q, k, v, dout, out, lse, rounding, in_place, scheme="small first",
+              score_scheme=None):
     """dq, dk, dv by split products per (query tile, key tile), P rebuilt from lse; scheme
     "hi truncated": every hi part is the operand as the instruction reads float32 data
-    (low 13 bits ignored), so that a tile as loaded serves as its own hi part."""
+    (low 13 bits ignored), so that a tile as loaded serves as its own hi part;
+    score_scheme: S and dP by another scheme ("separate": each term apart, summed in
+    float32), the gradient products by ``scheme``."""
+    score_scheme = score_scheme or scheme
     scale = np.float32(1 / np.sqrt(q.shape[1]))
     scale_log2 = np.float32(scale * np.log2(np.e))
     lse_log2 = (lse * np.float32(np.log2(np.e))).astype(np.float32)
@@ -141,10 +145,10 @@ def gradients(q, k, v, dout, out, lse, rounding, in_place, scheme="small first")
         qi, doi = q[m0:m0 + 32], dout[m0:m0 + 32]
         for n0 in range(0, k.shape[0], 64):
             kj, vj = k[n0:n0 + 64], v[n0:n0 + 64]
-            s = product(qi, np.ascontiguousarray(kj.T), scheme, rounding)
+            s = product(qi, np.ascontiguousarray(kj.T), score_scheme, rounding)
             p = np.exp2((s * scale_log2 - lse_log2[m0:m0 + 32, None]).astype(np.float64))
             p = p.astype(np.float32)
-            dp = product(doi, np.ascontiguousarray(vj.T), scheme, rounding)
+            dp = product(doi, np.ascontiguousarray(vj.T), score_scheme, rounding)
             ds = (p * (dp - delta[m0:m0 + 32, None])).astype(np.float32)
             dv[n0:n0 + 64] = add(dv[n0:n0 + 64], np.ascontiguousarray(p.T), doi)
             dk[n0:n0 + 64] = add(dk[n0:n0 + 64], np.ascontiguousarray(ds.T), qi)
@@ -174,10 +178,10 @@ def forward_ratio(q, k, v, scheme, rounding, pv_into_o):
 
 
 def backward_ratio(q, k, v, dout, rounding, case):
-    in_place, scheme = case
+    in_place, scheme, *score_scheme = case
     out64, lse64 = attention_reference(q, k, v)
     got = gradients(q, k, v, dout, out64.astype(np.float32), lse64.astype(np.float32),
-                    rounding, in_place, scheme)
+                    rounding, in_place, scheme, *score_scheme)
     worst = 0.0
     for g, r, n in zip(got, attention_backward_reference(dout, q, k, v),
                        naive_attention_backward(dout, q, k, v)):
@@ -193,7 +197,8 @@ def main():
     if backward:
         cases = [("gradients accumulated in place", (True, "small first")),
                  ("each tile's products in fresh accumulators", (False, "small first")),
-                 ("fresh accumulators, hi truncated", (False, "hi truncated"))]
+                 ("fresh accumulators, hi truncated", (False, "hi truncated")),
+                 ("fresh, score terms apart", (False, "small first", "separate"))]
     else:
         cases = [(label, (scheme, pv_into_o)) for label, scheme, pv_into_o in SCHEMES]
     for rounding in ("nearest", "toward zero"):

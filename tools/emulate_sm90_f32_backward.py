@@ -108,10 +108,12 @@ class Smem:
             acc += a[:, 8 * kk:8 * kk + 8] @ self.operand(
                 z_tile + (kk // 4) * n * 128 + (kk % 4) * 32, n).T
 
-    def split_ss(self, acc, a, a_lo, b, b_lo):
-        self.product_ss(acc, a, b + b_lo, False)
-        self.product_ss(acc, a + a_lo, b, True)
-        self.product_ss(acc, a, b, True)
+    def split_ss(self, acc, a, a_lo, b, b_lo):  # split_product_ss, then split_sum
+        x, y = np.zeros(acc.shape), np.zeros(acc.shape)
+        self.product_ss(acc, a, b, False)
+        self.product_ss(x, a, b + b_lo, False)
+        self.product_ss(y, a + a_lo, b, False)
+        acc += x + y
 
     def split_rs(self, acc, frags, z, z_lo):
         hi, lo = frags
