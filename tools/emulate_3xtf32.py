@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tools/emulate_3xtf32.py [seeds]
     PYTHONPATH=. python tools/emulate_3xtf32.py --backward [seeds]
+    PYTHONPATH=. python tools/emulate_3xtf32.py --backward --forward-lse [seeds]
 
 No GPU: products of TF32 operands are exact (float64), and the float32 accumulator is
 rounded after every k-step of 8 (one wgmma .tf32 step), either to nearest or toward zero,
@@ -15,7 +16,10 @@ choice they led to (small terms first, each tile's P V in fresh accumulators).
 (dK, dV per 64-key block over 32-query tiles; dQ per query tile over 64-key tiles), for a
 future split-TF32 backward: every product split (small terms first), the gradients
 accumulated either in place or per tile in fresh accumulators added in float32; error /
-bound with the gradients' 3x rule.
+bound with the gradients' 3x rule. ``--forward-lse`` takes out and lse from the emulated
+split forward instead of the float64 reference, as the GPU tests take them from the
+sm90_3xtf32 forward, and compares the score products' schemes (the tenth session's v0 and
+v2, which the GPU measured at 1.55x and 0.61x the bound; and the contraction in two halves).
 """
 import sys
 
@@ -80,6 +84,11 @@ def product(a, b, scheme, rounding, acc=None):
     small_first = [(ah, bl), (al, bh), (ah, bh)]
     if scheme == "per k-step":
         return accumulate(small_first, rounding, acc, interleave=True)
+    if scheme == "halves":  # the contraction in two halves (two blocks), each "separate"
+        h = a.shape[1] // 2
+        out = (product(a[:, :h], b[:h], "separate", rounding)
+               + product(a[:, h:], b[h:], "separate", rounding)).astype(np.float32)
+        return out if acc is None else (acc + out).astype(np.float32)
     if scheme == "separate":
         big = accumulate([(ah, bh)], rounding)
         small = accumulate([(ah, bl)], rounding) + accumulate([(al, bh)], rounding)
@@ -109,6 +118,27 @@ def attention(q, k, v, scheme, rounding, pv_into_o):
             o = (o + product(p, v[n0:n0 + 64], scheme, rounding)).astype(np.float32)
         m = m_new
     return (o / l[:, None]).astype(np.float32)
+
+
+def split_forward(q, k, v, rounding):
+    """out and lse of the sm90_3xtf32 forward as emulated here: scores with the terms apart
+    ("separate": hh + (hl + lh)), each tile's P V fresh; lse in natural units."""
+    scale_log2 = np.float32(np.log2(np.e) / np.sqrt(q.shape[1]))
+    m = np.full(q.shape[0], -np.inf, np.float32)
+    l = np.zeros(q.shape[0], np.float32)
+    o = np.zeros((q.shape[0], v.shape[1]), np.float32)
+    for n0 in range(0, k.shape[0], 64):
+        s = product(q, np.ascontiguousarray(k[n0:n0 + 64].T), "separate", rounding)
+        x = (s * scale_log2).astype(np.float32)
+        m_new = np.maximum(m, x.max(axis=1))
+        alpha = np.exp2((m - m_new).astype(np.float64)).astype(np.float32)
+        p = np.exp2((x - m_new[:, None]).astype(np.float64)).astype(np.float32)
+        l = (l * alpha + p.sum(axis=1, dtype=np.float32)).astype(np.float32)
+        o = (o * alpha[:, None] + product(p, v[n0:n0 + 64], "small first", rounding))
+        o = o.astype(np.float32)
+        m = m_new
+    lse = ((m + np.log2(l)) / np.float32(np.log2(np.e))).astype(np.float32)
+    return (o / l[:, None]).astype(np.float32), lse
 
 
 SCHEMES = [  # (label, scheme, P V into O)
@@ -177,11 +207,15 @@ def forward_ratio(q, k, v, scheme, rounding, pv_into_o):
     return float(np.abs(attention(q, k, v, scheme, rounding, pv_into_o) - ref).max()) / bound
 
 
-def backward_ratio(q, k, v, dout, rounding, case):
+def backward_ratio(q, k, v, dout, rounding, case, forward_lse=False):
+    """Worst error / bound of the gradients; out and lse from the float64 reference, or
+    (forward_lse) from the emulated split forward, as the GPU tests take them."""
     in_place, scheme, *score_scheme = case
-    out64, lse64 = attention_reference(q, k, v)
-    got = gradients(q, k, v, dout, out64.astype(np.float32), lse64.astype(np.float32),
-                    rounding, in_place, scheme, *score_scheme)
+    if forward_lse:
+        out, lse = split_forward(q, k, v, rounding)
+    else:
+        out, lse = (x.astype(np.float32) for x in attention_reference(q, k, v))
+    got = gradients(q, k, v, dout, out, lse, rounding, in_place, scheme, *score_scheme)
     worst = 0.0
     for g, r, n in zip(got, attention_backward_reference(dout, q, k, v),
                        naive_attention_backward(dout, q, k, v)):
@@ -192,9 +226,17 @@ def backward_ratio(q, k, v, dout, rounding, case):
 
 def main():
     backward = "--backward" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--backward"]
+    forward_lse = "--forward-lse" in sys.argv
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     seeds = int(args[0]) if args else 1
-    if backward:
+    if backward and forward_lse:
+        cases = [("scores per k-step in one accumulator (v0)", (False, "small first",
+                                                               "per k-step")),
+                 ("scores small first, one accumulator", (False, "small first")),
+                 ("scores with the terms apart (v2)", (False, "small first", "separate")),
+                 ("scores in two contraction halves, apart", (False, "small first",
+                                                              "halves"))]
+    elif backward:
         cases = [("gradients accumulated in place", (True, "small first")),
                  ("each tile's products in fresh accumulators", (False, "small first")),
                  ("fresh accumulators, hi truncated", (False, "hi truncated")),
@@ -204,7 +246,7 @@ def main():
     for rounding in ("nearest", "toward zero"):
         for label, case in cases:
             if backward:
-                worst = max(backward_ratio(q, k, v, dout, rounding, case)
+                worst = max(backward_ratio(q, k, v, dout, rounding, case, forward_lse)
                             for q, k, v, dout in inputs(seeds, BACKWARD_SHAPES))
             else:
                 worst = max(forward_ratio(q, k, v, case[0], rounding, case[1])
