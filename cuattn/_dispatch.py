@@ -984,7 +984,7 @@ class Sm90F32BwdTiles:
 
 #: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
 #: kernels were written without a GPU (sixteenth session). ptxas (sm_90a), fast instances:
-#: 32-query dK/dV 233 registers (overlapped 252), 64-key dQ 254, 32-key dQ 184 (overlapped
+#: 32-query dK/dV 233 registers (overlapped 246), 64-key dQ 254, 32-key dQ 184 (overlapped
 #: 188), no spills; shared memory 160.5 (192.5) KB, 224 KB, 144 (160) KB: one block per SM.
 #: 16-row tiles would need transposed tiles padded to 32 columns.
 SM90_F32_BACKWARD_TILES = (

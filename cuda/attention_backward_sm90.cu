@@ -52,39 +52,6 @@ using namespace cuattn;
 using namespace cuattn::mma;
 using namespace cuattn::sm90;
 
-namespace {
-
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
-#pragma unroll
-    for (int d = 0; d < N; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
-}
-
-// Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
-// kernel (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused): the two tiles by cp.async in
-// the Sw128<BLOCK_M> layout, lse and delta by plain loads (rows past Sq: -inf and 0).
-template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
-__device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
-                                                   float* delta_st, const T* q, const T* dout,
-                                                   const float* lse, const float* delta,
-                                                   const AttnBwdParams& bp, long long m0) {
-    const AttnParams& p = bp.f;
-    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_st, q + m0 * p.q_s.row, p.q_s.row, p.q_s.col,
-                                                   p.seqlen_q - m0, p.head_dim, Sw128<BLOCK_M>());
-    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-        do_st, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col, p.seqlen_q - m0,
-        p.head_dim_v, Sw128<BLOCK_M>());
-    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-        const long long r = m0 + i;
-        lse_st[i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-        delta_st[i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-    }
-}
-
-}  // namespace
-
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
           int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {

@@ -137,14 +137,6 @@ __device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N]
         for (int e = 0; e < 4; ++e) acc[d][e] += x[d][e];
 }
 
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
-#pragma unroll
-    for (int d = 0; d < N; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
-}
-
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
@@ -197,20 +189,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                                                      Sw128<BLOCK_N, 4>());
     // Q, dO, lse (log2 units) and delta of query tile t into raw stage t % 2
     auto request_q = [&](int t) {
-        const long long m0 = m_lo + (long long)t * BLOCK_M;
         const int st = t & 1;
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_raw + st * Q_ELEMS, q + m0 * p.q_s.row,
-                                                       p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                       p.head_dim, Sw128<BLOCK_M, 4>());
-        load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_raw + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
-            p.seqlen_q - m0, p.head_dim_v, Sw128<BLOCK_M, 4>());
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-            const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] =
-                r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-        }
+        request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, lse_s + st * BLOCK_M,
+            delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m_lo + (long long)t * BLOCK_M);
     };
     if (tiles > 0) request_q(0);
     cp_async_commit();  // K, V and the first query tile

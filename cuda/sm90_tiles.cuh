@@ -12,6 +12,8 @@
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
+//   zero, request_query_tile  accumulators cleared; a dK/dV kernel's query-tile stage (the
+//               backwards)
 //   transpose_v  a staged float tile transposed (V^T, Q^T, dO^T, K^T) for the TF32 register-A
 //               products, rounded or split
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
@@ -242,6 +244,38 @@ __device__ __forceinline__ void tf32_split_fragments(unsigned (&hi)[ROWS / 8][4]
             hi[kk][e] = __float_as_uint(h);
             lo[kk][e] = __float_as_uint(l);
         }
+}
+
+// accumulators cleared
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
+}
+
+// Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
+// kernel of the backwards (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused,
+// attention_bwd_dkdv_sm90_3xtf32): the two tiles by cp.async (or element loads) in the
+// Sw128<BLOCK_M, sizeof(T)> layout, lse and delta by plain loads (rows past Sq: -inf and 0).
+template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
+__device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
+                                                   float* delta_st, const T* q, const T* dout,
+                                                   const float* lse, const float* delta,
+                                                   const AttnBwdParams& bp, long long m0) {
+    const AttnParams& p = bp.f;
+    mma::load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_st, q + m0 * p.q_s.row, p.q_s.row,
+                                                        p.q_s.col, p.seqlen_q - m0, p.head_dim,
+                                                        Sw128<BLOCK_M, sizeof(T)>());
+    mma::load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
+        do_st, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col, p.seqlen_q - m0,
+        p.head_dim_v, Sw128<BLOCK_M, sizeof(T)>());
+    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+        const long long r = m0 + i;
+        lse_st[i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        delta_st[i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
 }
 
 // The transposed TF32 tile of a staged float tile: V^T for the forwards' O += P V
