@@ -980,6 +980,10 @@ class Sm90F32BwdTiles:
     #: this tile's gradient products (two buffers of the transposed tiles)
     dkdv_overlap: bool = False
     dq_overlap: bool = False
+    #: warpgroups per block (1 or 2): 64 keys (dK/dV) or query rows (dQ) each, sharing the
+    #: streamed tiles; 2 only without dkdv_overlap, and with block_n 32
+    dkdv_warpgroups: int = 1
+    dq_warpgroups: int = 1
 
 
 #: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
@@ -1000,8 +1004,9 @@ def sm90_f32_backward_smem_bytes(tiles: Sm90F32BwdTiles, hd: int, hdv: int) -> t
     attention_bwd_dq_sm90_3xtf32 (the .cu header)."""
     bm, bn = tiles.block_m, tiles.block_n
     t_bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
-    dkdv = (2 * 64 * (hd + hdv) + (4 + 2 * t_bufs[0]) * bm * (hd + hdv) + 2 * 2 * bm) * 4
-    dq = (2 * 64 * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * t_bufs[1] * bn * hd) * 4
+    wk, wq = tiles.dkdv_warpgroups, tiles.dq_warpgroups
+    dkdv = (2 * 64 * wk * (hd + hdv) + (4 + 2 * t_bufs[0]) * bm * (hd + hdv) + 2 * 2 * bm) * 4
+    dq = (2 * 64 * wq * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * t_bufs[1] * bn * hd) * 4
     return dkdv, dq
 
 
@@ -1019,10 +1024,11 @@ def _sm90_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: boo
     return BackwardChoice(
         "sm90_3xtf32", "attention_backward_sm90_tf32.cu", "attention_bwd_delta<float>",
         f"attention_bwd_dkdv_sm90_3xtf32<{flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}>",
+        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}, {tiles.dkdv_warpgroups}>",
         f"attention_bwd_dq_sm90_3xtf32<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}, "
-        f"{str(tiles.dq_overlap).lower()}>",
-        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
+        f"{str(tiles.dq_overlap).lower()}, {tiles.dq_warpgroups}>",
+        64 * tiles.dkdv_warpgroups, 64 * tiles.dq_warpgroups, max(hd, hdv), hd, *smem,
+        threads_dkdv=128 * tiles.dkdv_warpgroups, threads_dq=128 * tiles.dq_warpgroups)
 
 
 def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,

@@ -24,11 +24,14 @@
 //             writes its split hi and lo tiles and its transposed split tiles (transpose_v,
 //             sm90_tiles.cuh, which the forward uses for V^T), so no scratch in global
 //             memory is needed.
-// Kernels:    attention_bwd_dkdv_sm90_3xtf32: one warpgroup owns 64 keys (warp w: keys 16w ..
-//             16w + 15) and all columns of dK and dV, K and V split once; it walks the query
-//             tiles (BLOCK_M rows) of the band.
-//             attention_bwd_dq_sm90_3xtf32: one warpgroup owns 64 query rows and all columns
-//             of dQ, Q and dO split once; it walks the key tiles (BLOCK_N keys).
+// Kernels:    attention_bwd_dkdv_sm90_3xtf32: each warpgroup owns 64 keys (warp w: keys 16w
+//             .. 16w + 15 of them) and all columns of dK and dV, K and V split once; the block
+//             walks the query tiles (BLOCK_M rows) of its keys' band.
+//             attention_bwd_dq_sm90_3xtf32: each warpgroup owns 64 query rows and all columns
+//             of dQ, Q and dO split once; the block walks the key tiles (BLOCK_N keys).
+//             With WARPGROUPS = 2 the two warpgroups share each streamed tile (its split and
+//             transposed tiles are written once for both, by all 256 threads) and the SM has
+//             two warpgroups whose latencies overlap (one block per SM either way).
 //             Each gradient element is written once by one thread: no atomics, repeated
 //             calls are bit-identical.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64, zero-padded: the shared memory of
@@ -37,21 +40,23 @@
 //             (16-byte cp.async copies: unit column strides, 16-byte rows and pointers;
 //             otherwise element loads); MIN_BLOCKS; OVERLAP (the next tile is split and
 //             transposed while the tensor cores run this tile's gradient products: two
-//             buffers of the transposed tiles). Gradients are float32.
+//             buffers of the transposed tiles); WARPGROUPS (1, or 2 without OVERLAP for
+//             dK/dV and at BLOCK_N = 32 for dQ: shared memory). Gradients are float32.
 // Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum; the
 //             element-wise pass, the fragments and the gradient products issued into fresh
 //             accumulators; then either (plain) wait, add, and prepare tile t + 1 -- a
 //             barrier, the request of tile t + 2's raw tiles into the stage that tile t used,
 //             the split and transposed tiles of t + 1, a proxy fence and a barrier -- or
 //             (OVERLAP) prepare t + 1 first and wait and add after.
-// Shared mem: dK/dV: (2*64*(HEAD_DIM+HEAD_DIM_V) + (4+2*B)*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
-//             + 2*2*BLOCK_M)*4 bytes: K and V (hi, lo), two raw stages of Q and dO, their
-//             split tiles (hi, lo) and B buffers of their transposed split tiles (hi, lo);
-//             dQ: (2*64*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
-//             + 2*B*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo), two raw stages of K and V,
-//             their split tiles and B buffers of the transposed split K; B = 2 with OVERLAP,
-//             else 1. Every tile in the 128-byte-swizzle layout (sm90_tiles.cuh) with
-//             32-float column groups, each lo tile right after its hi tile.
+// Shared mem: dK/dV: (2*64*W*(HEAD_DIM+HEAD_DIM_V) + (4+2*B)*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
+//             + 2*2*BLOCK_M)*4 bytes: K and V (hi, lo; per warpgroup), two raw stages of Q and
+//             dO, their split tiles (hi, lo) and B buffers of their transposed split tiles;
+//             dQ: (2*64*W*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
+//             + 2*B*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo; per warpgroup), two raw
+//             stages of K and V, their split tiles and B buffers of the transposed split K;
+//             B = 2 with OVERLAP, else 1; W = WARPGROUPS. Every tile in the 128-byte-swizzle
+//             layout (sm90_tiles.cuh) with 32-float column groups, each lo tile right after
+//             its hi tile.
 //             cuattn/_dispatch.py::sm90_f32_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "sm90_tiles.cuh"
@@ -140,23 +145,24 @@ __device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N]
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
-          int MIN_BLOCKS, bool OVERLAP>
-__global__ void __launch_bounds__(128, MIN_BLOCKS)
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     attention_bwd_dkdv_sm90_3xtf32(const AttnBwdParams bp) {
-    constexpr int THREADS = 128, BLOCK_N = 64;
+    constexpr int THREADS = 128 * WARPGROUPS, BLOCK_N = 64 * WARPGROUPS;  // 64 keys a warpgroup
     // BLOCK_M = 16 would leave half of each 128-byte row of Q^T and dO^T unused (their lo
     // tiles would need 128-row spacing); 64 does not fit (registers, shared memory)
-    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && BLOCK_M == 32,
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && BLOCK_M == 32 &&
+                      (WARPGROUPS == 1 || (WARPGROUPS == 2 && !OVERLAP)),
                   "the shared memory of the split tiles");
-    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    constexpr int K_ELEMS = 64 * HEAD_DIM, V_ELEMS = 64 * HEAD_DIM_V;  // one warpgroup's keys
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     constexpr int T_BUFS = OVERLAP ? 2 : 1;  // transposed tiles: one per tile in flight
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* k_s = reinterpret_cast<float*>(smem_raw);  // [hi, lo][64 x HEAD_DIM]
-    float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][64 x HEAD_DIM_V]
-    float* q_raw = v_s + 2 * V_ELEMS;                  // [2 stages][BLOCK_M x HEAD_DIM]
+    float* k_s = reinterpret_cast<float*>(smem_raw);  // [WARPGROUPS][hi, lo][64 x HEAD_DIM]
+    float* v_s = k_s + WARPGROUPS * 2 * K_ELEMS;       // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
+    float* q_raw = v_s + WARPGROUPS * 2 * V_ELEMS;     // [2 stages][BLOCK_M x HEAD_DIM]
     float* do_raw = q_raw + 2 * Q_ELEMS;               // [2 stages][BLOCK_M x HEAD_DIM_V]
     float* q_s = do_raw + 2 * DO_ELEMS;                // [hi, lo][BLOCK_M x HEAD_DIM]
     float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][BLOCK_M x HEAD_DIM_V]
@@ -165,12 +171,14 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     float* lse_s = dot_s + T_BUFS * 2 * DO_ELEMS;      // [2 stages][BLOCK_M], log2 units
     float* delta_s = lse_s + 2 * BLOCK_M;              // [2 stages][BLOCK_M]
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // warpgroup wg owns keys n0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them)
+    const int wg = WARPGROUPS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int warp = WARPGROUPS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % 4;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
     const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
                                          bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
     const long long n_block = blk.row_block, b = blk.b;
-    const long long n0 = n_block * BLOCK_N;
+    const long long n0 = n_block * BLOCK_N, n_own = n0 + 64 * wg;
 
     const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
     const float *q = in.q, *k = in.k + n0 * p.k_s.row;
@@ -182,11 +190,19 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     const long long m_lo = queries.lo, m_hi = queries.hi;
     const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
 
-    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                   p.head_dim, Sw128<BLOCK_N, 4>());
-    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
-                                                     p.seqlen_k - n0, p.head_dim_v,
-                                                     Sw128<BLOCK_N, 4>());
+    // each warpgroup's 64 keys: a tile of their own (the tensor cores' A operand), every
+    // thread of the block copying; a warpgroup past the last key gets zeros (and reads
+    // nothing: its source is the block's first key)
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        const long long keys = p.seqlen_k - n0 - 64 * g, at = keys > 0 ? 64 * g : 0;
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(k_s + g * 2 * K_ELEMS, k + at * p.k_s.row,
+                                                  p.k_s.row, p.k_s.col, keys, p.head_dim,
+                                                  Sw128<64, 4>());
+        load_tile<64, HEAD_DIM_V, THREADS, ALIGNED>(v_s + g * 2 * V_ELEMS, v + at * p.v_s.row,
+                                                    p.v_s.row, p.v_s.col, keys, p.head_dim_v,
+                                                    Sw128<64, 4>());
+    }
     // Q, dO, lse (log2 units) and delta of query tile t into raw stage t % 2
     auto request_q = [&](int t) {
         const int st = t & 1;
@@ -198,14 +214,19 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     cp_async_commit();  // K, V and the first query tile
     cp_async_wait<0>();
     // K and V split in place (lo tile after hi) by the threads that copied each chunk
-    round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, true, K_ELEMS>(k_s, Sw128<BLOCK_N, 4>());
-    round_own_tf32<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED, true, V_ELEMS>(v_s,
-                                                                        Sw128<BLOCK_N, 4>());
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, true, K_ELEMS>(k_s + g * 2 * K_ELEMS,
+                                                                      Sw128<64, 4>());
+        round_own_tf32<64, HEAD_DIM_V, THREADS, ALIGNED, true, V_ELEMS>(v_s + g * 2 * V_ELEMS,
+                                                                        Sw128<64, 4>());
+    }
 
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
     zero(dk);
     zero(dv);
-    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const unsigned k_base = smem_addr(k_s + wg * 2 * K_ELEMS);  // this warpgroup's keys
+    const unsigned v_base = smem_addr(v_s + wg * 2 * V_ELEMS);
     const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
     const unsigned qt_base = smem_addr(qt_s), dot_base = smem_addr(dot_s);
     const ScoreConsts<float> consts(p);
@@ -250,10 +271,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                      float (&dv_t)[HEAD_DIM_V / 8][4], float (&dk_t)[HEAD_DIM / 8][4]) {
         const long long m0 = m_lo + (long long)t * BLOCK_M;
         const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
-        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n_own, 64);
         const float* lse_t = lse_s + st * BLOCK_M;
         const float* delta_t = delta_s + st * BLOCK_M;
-        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n_own + warp * 16, m0, lane, interior,
                                       in.mask, in.bias, [&](int j, int e) {
                                           const int col = 8 * j + 2 * (lane % 4) + e % 2;
                                           return make_float2(lse_t[col], delta_t[col]);
@@ -296,38 +317,41 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 
     float* dk_out = reinterpret_cast<float*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
     float* dv_out = reinterpret_cast<float*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
-    const long long row0 = n0 + warp * 16;
+    const long long row0 = n_own + warp * 16;
     store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
                float(p.scale));
     store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, bool ALIGNED,
-          int MIN_BLOCKS, bool OVERLAP>
-__global__ void __launch_bounds__(128, MIN_BLOCKS)
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     attention_bwd_dq_sm90_3xtf32(const AttnBwdParams bp) {
-    constexpr int THREADS = 128, BLOCK_M = 64;
-    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && (BLOCK_N == 32 || BLOCK_N == 64),
+    constexpr int THREADS = 128 * WARPGROUPS, BLOCK_M = 64 * WARPGROUPS;  // 64 rows a warpgroup
+    static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && (BLOCK_N == 32 || BLOCK_N == 64) &&
+                      (WARPGROUPS == 1 || (WARPGROUPS == 2 && BLOCK_N == 32)),
                   "the shared memory of the split tiles (K^T rows of whole 128 bytes)");
-    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, DO_ELEMS = 64 * HEAD_DIM_V;  // one warpgroup's rows
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [hi, lo][64 x HEAD_DIM]
-    float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][64 x HEAD_DIM_V]
-    float* k_raw = do_s + 2 * DO_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM]
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [WARPGROUPS][hi, lo][64 x HEAD_DIM]
+    float* do_s = q_s + WARPGROUPS * 2 * Q_ELEMS;      // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
+    float* k_raw = do_s + WARPGROUPS * 2 * DO_ELEMS;   // [2 stages][BLOCK_N x HEAD_DIM]
     float* v_raw = k_raw + 2 * K_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM_V]
     float* k_s = v_raw + 2 * V_ELEMS;                  // [hi, lo][BLOCK_N x HEAD_DIM]
     float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][BLOCK_N x HEAD_DIM_V]
     float* kt_s = v_s + 2 * V_ELEMS;  // [OVERLAP ? 2 : 1][hi, lo][HEAD_DIM x BLOCK_N]
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // warpgroup wg owns rows m0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them)
+    const int wg = WARPGROUPS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int warp = WARPGROUPS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % 4;
     // heaviest query blocks first: under causal masking the last rows see the most keys
     const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
                                          bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
     const long long m_block = blk.row_block, b = blk.b;
-    const long long m0 = m_block * BLOCK_M;
+    const long long m0 = m_block * BLOCK_M, m_own = m0 + 64 * wg;
 
     const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
     const float *q = in.q + m0 * p.q_s.row, *k = in.k;
@@ -344,29 +368,41 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
             k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, k, v,
             n_lo + (long long)t * BLOCK_N, p, Sw128<BLOCK_N, 4>(), Sw128<BLOCK_N, 4>());
     };
-    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                   p.head_dim, Sw128<BLOCK_M, 4>());
-    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
-                                                     p.seqlen_q - m0, p.head_dim_v,
-                                                     Sw128<BLOCK_M, 4>());
+    // each warpgroup's 64 rows of Q and dO: tiles of their own (as the dK/dV kernel's K, V)
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        const long long rows = p.seqlen_q - m0 - 64 * g, at = rows > 0 ? 64 * g : 0;
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + g * 2 * Q_ELEMS, q + at * p.q_s.row,
+                                                  p.q_s.row, p.q_s.col, rows, p.head_dim,
+                                                  Sw128<64, 4>());
+        load_tile<64, HEAD_DIM_V, THREADS, ALIGNED>(do_s + g * 2 * DO_ELEMS,
+                                                    dout + at * bp.dout_s.row, bp.dout_s.row,
+                                                    bp.dout_s.col, rows, p.head_dim_v,
+                                                    Sw128<64, 4>());
+    }
     if (tiles > 0) request_kv(0);
     cp_async_commit();  // Q, dO and the first key tile
     cp_async_wait<0>();
-    round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, true, Q_ELEMS>(q_s, Sw128<BLOCK_M, 4>());
-    round_own_tf32<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED, true, DO_ELEMS>(do_s,
-                                                                         Sw128<BLOCK_M, 4>());
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, true, Q_ELEMS>(q_s + g * 2 * Q_ELEMS,
+                                                                      Sw128<64, 4>());
+        round_own_tf32<64, HEAD_DIM_V, THREADS, ALIGNED, true, DO_ELEMS>(do_s + g * 2 * DO_ELEMS,
+                                                                         Sw128<64, 4>());
+    }
 
     // this lane's two rows (g and g + 8 of the warp's 16)
     float lse_log2[2], dl[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        const long long r = m_own + warp * 16 + lane / 4 + 8 * h;
         lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
         dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
     }
     float dq[HEAD_DIM / 8][4];
     zero(dq);
-    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS);  // this warpgroup's rows
+    const unsigned do_base = smem_addr(do_s + wg * 2 * DO_ELEMS);
     const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s), kt_base = smem_addr(kt_s);
     const ScoreConsts<float> consts(p);
 
@@ -403,8 +439,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                      float (&dq_t)[HEAD_DIM / 8][4]) {
         const long long n0 = n_lo + (long long)t * BLOCK_N;
         const int buf = OVERLAP ? t & 1 : 0;
-        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+        const bool interior = !HAS_MASK && tile_is_interior(p, m_own, 64, n0, BLOCK_N);
+        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m_own + warp * 16, n0, lane, interior,
                                        in.mask, in.bias, [&](int, int e) {
                                            return make_float2(lse_log2[e / 2], dl[e / 2]);
                                        });
@@ -437,6 +473,6 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     cp_async_wait<0>();
 
     float* dq_out = reinterpret_cast<float*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
-    store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m0 + warp * 16, p.seqlen_q, p.head_dim,
+    store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m_own + warp * 16, p.seqlen_q, p.head_dim,
                lane, float(p.scale));
 }

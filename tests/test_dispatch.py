@@ -276,15 +276,15 @@ def test_sm90_3xtf32_backward_is_reached_only_when_forced():
     assert choice.filename == "attention_backward_sm90_tf32.cu"
     assert choice.delta == "attention_bwd_delta<float>"
     flags = "cuattn::NoBias, false, 64, 64"
-    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true>"
-    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 32, true, 1, true>"
+    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
+    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
     assert (choice.dkdv_rows, choice.dq_rows, choice.threads_dkdv) == (64, 64, 128)
     # the .cu header's shared memory: K, V (hi, lo) + 4 query tiles + 2 transposed ones per
     # buffer; Q, dO (hi, lo) + 4 key tiles + K^T (hi, lo) per buffer
     assert (choice.smem_dkdv, choice.smem_dq) == ((2 * 64 * 128 + 8 * 32 * 128 + 128) * 4,
                                                   (2 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
     plain = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64))
-    assert plain.dq.endswith(", 64, 64, 64, true, 1, false>") and plain.smem_dq == 224 * 1024
+    assert plain.dq.endswith(", 64, 64, 64, true, 1, false, 1>") and plain.smem_dq == 224 * 1024
     assert plain.smem_dkdv == (2 * 64 * 128 + 6 * 32 * 128 + 128) * 4
     with pytest.raises(NotImplementedError, match="shared memory"):  # 256 KB
         backward(F32, 64, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64, dq_overlap=True))

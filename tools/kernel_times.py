@@ -1,0 +1,83 @@
+"""Per-kernel times of one backward: delta, dK/dV and dQ timed apart with CUDA events.
+
+    PYTHONPATH=. python tools/kernel_times.py FAMILY D DTYPE [causal] [TILES]
+
+e.g. ``sm90_3xtf32 64 float32``, ``mma_3xtf32 64 float32``, ``sm90 64 bfloat16 causal``,
+``sm90_3xtf32 64 float32 "Sm90F32BwdTiles(32, 64, dkdv_overlap=True)"`` (TILES: a tiles
+expression over cuattn._dispatch's names; without it the dispatch table's choice).
+The shape is the backward sweep's: B·S = 16k tokens, H·D = 2048, S = 4096. float32 runs
+with precision "highest". Prints each kernel's median milliseconds and the rate of the
+matrix products it does, each of the size of one of the forward's two: dK/dV recomputes S,
+then dP, dV and dK (4); dQ recomputes S and dP, then dQ (3). The backward's own rate counts
+2.5x the forward's FLOPs, as the bench does.
+"""
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+import cuattn
+from cuattn import _dispatch
+from cuattn.attention import _attention_backward
+
+attention = sys.modules["cuattn.attention"]  # the module (cuattn.attention is the function)
+
+
+def main():
+    family, d, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    causal = "causal" in sys.argv[4:]
+    exprs = [a for a in sys.argv[4:] if a != "causal"]
+    tiles = eval(exprs[0], vars(_dispatch)) if exprs else None  # noqa: S307 - a tool
+    kw = {"precision": "highest"} if name == "float32" else {}
+    dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+    s = 4096
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (cp.random.standard_normal((b, h, s, d), dtype=cp.float32).astype(dtype)
+               for _ in range(3))
+    out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    dout = cp.random.standard_normal(out.shape, dtype=cp.float32).astype(dtype)
+    times = {}
+    real_get_kernel = attention.get_kernel
+
+    def timed_get_kernel(filename, expr, **options):
+        fn = real_get_kernel(filename, expr, **options)
+
+        def run(*args, **kwargs):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn(*args, **kwargs)
+            stop.record()
+            times.setdefault(expr, []).append((start, stop))
+        return run
+
+    attention.get_kernel = timed_get_kernel
+    try:
+        for _ in range(3):
+            _attention_backward(dout, q, k, v, out, lse, causal=causal, kernel=family,
+                                tiles=tiles, **kw)
+        cp.cuda.Device().synchronize()
+        times.clear()
+        for _ in range(10):
+            _attention_backward(dout, q, k, v, out, lse, causal=causal, kernel=family,
+                                tiles=tiles, **kw)
+        cp.cuda.Device().synchronize()
+    finally:
+        attention.get_kernel = real_get_kernel
+    fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)  # the forward's FLOPs
+    print(f"{family} D{d} {name} causal={causal} shape {(b, h, s, d)} tiles {tiles}")
+    total = 0.0
+    for expr, events in times.items():
+        ms = float(np.median([cp.cuda.get_elapsed_time(a, z) for a, z in events]))
+        total += ms
+        # products of the forward's size: dK/dV recomputes S, then dP, dV, dK (4);
+        # dQ recomputes S and dP, then dQ (3); delta none
+        n = 4 if "dkdv" in expr else 3 if "_dq" in expr else 0
+        rate = f"{n * fwd / 2 / ms / 1e9:7.1f} TFLOP/s" if n else ""
+        print(f"  {ms:8.3f} ms {rate:16s} {expr}")
+    print(f"  {total:8.3f} ms total; backward at 2.5x forward FLOPs: "
+          f"{2.5 * fwd / total / 1e9:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
