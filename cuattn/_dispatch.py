@@ -634,6 +634,15 @@ BACKWARD_FAMILIES = (
     Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
            "dK, dV and dQ into 64- or 128-column tiles (registers)"),
+    # before mma_3xtf32: at head dim 64 on the H200 the two-warpgroup form ran the backward
+    # of B4 H32 S4096 at 50.7 / 47.7 TFLOP/s (non-causal / causal) against mma_3xtf32's
+    # 38.3 / 36.9 (docs/kernels.rst, seventeenth session); wider heads go on to mma_3xtf32
+    Family("sm90_3xtf32", "attention_backward_sm90_tf32.cu", (9, 0), ("float32",), 64,
+           "float32 \"highest\" on Hopper's warpgroup MMA (wgmma .tf32, sm_90a): the "
+           "3xTF32 split of mma_3xtf32 with every product on wgmma, the transposed operands "
+           "(Q^T, dO^T, K^T) split and transposed in shared memory per tile, two warpgroups "
+           "per block sharing them; head dims to 64 (shared memory of the split tiles)",
+           precisions=("highest",), archs=((9, 0),)),
     Family("mma_3xtf32", "attention_backward_mma_f32.cu", (9, 0), ("float32",), 128,
            "float32 \"highest\" on tensor cores: mma.sync m16n8k8 TF32 steps, each operand "
            "split into a TF32 high part and a remainder, three steps per product; head dims to "
@@ -647,13 +656,6 @@ BACKWARD_FAMILIES = (
            "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
            "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
            "accumulators)", precisions=("tf32",)),
-    # after mma_3xtf32: reached only when forced (kernel="sm90_3xtf32") until it has run on
-    # a GPU and been measured against mma_3xtf32 (docs/kernels.rst, sixteenth session)
-    Family("sm90_3xtf32", "attention_backward_sm90_tf32.cu", (9, 0), ("float32",), 64,
-           "float32 \"highest\" on Hopper's warpgroup MMA (wgmma .tf32, sm_90a): the "
-           "3xTF32 split of mma_3xtf32 with every product on wgmma, the transposed operands "
-           "(Q^T, dO^T, K^T) split and transposed in shared memory per tile; head dims to 64 "
-           "(shared memory of the split tiles)", precisions=("highest",), archs=((9, 0),)),
     Family("portable", "attention_backward_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
@@ -986,16 +988,17 @@ class Sm90F32BwdTiles:
     dq_warpgroups: int = 1
 
 
-#: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). Not measured yet: the
-#: kernels were written without a GPU (sixteenth session). ptxas (sm_90a), fast instances:
-#: 32-query dK/dV 233 registers (overlapped 246), 64-key dQ 254, 32-key dQ 184 (overlapped
-#: 188), no spills; shared memory 160.5 (192.5) KB, 224 KB, 144 (160) KB: one block per SM.
-#: 16-row tiles would need transposed tiles padded to 32 columns.
+#: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). ptxas (sm_90a), fast
+#: instances: two-warpgroup dK/dV 226 registers, two-warpgroup 32-key dQ 198 (overlapped
+#: 198), no spills; shared memory 224.5 KB and 208 (224) KB: one block of 256 threads per SM.
+#: The one-warpgroup forms (64 keys or rows per block; 160.5-224 KB) stay as fallbacks.
 SM90_F32_BACKWARD_TILES = (
-    (64, (Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True), Sm90F32BwdTiles(32, 64)),
-     "not measured: written without a GPU; the overlapped forms first (predicted faster: the "
-     "split and transpose pass under the gradient products); tools/sweep_backward.py "
-     "--sm90-f32 times the candidates"),
+    (64, (Sm90F32BwdTiles(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
+          Sm90F32BwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2),
+          Sm90F32BwdTiles(32, 64, dkdv_overlap=True)),
+     "H200, B4 H32 S4096 (tools/sweep_backward.py --sm90-f32), non-causal / causal: two "
+     "warpgroups per block, dQ overlapped 27.1 / 14.5 ms, plain 27.4 / 14.4; one warpgroup "
+     "at best 35.2 / 18.8 (overlapped dK/dV, 64-key dQ); mma_3xtf32 35.9 / 18.6"),
 )
 
 

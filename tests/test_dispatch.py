@@ -257,7 +257,8 @@ def test_backward_families_and_tiles():
     assert choice.dkdv.endswith(", 32, 4, true, 3>") and choice.dq.endswith(", 32, 4, true, 3>")
     assert backward(BF16, 64, gpu=A100).dkdv.endswith(", 32, 4, true, 2>")
     assert backward(F16, 128, gpu=SM86).smem_dkdv <= SM86[1]
-    assert backward(F32, 64).family == "mma_3xtf32"       # "highest": split TF32 on Hopper
+    assert backward(F32, 64).family == "sm90_3xtf32"      # "highest": split TF32 on Hopper
+    assert backward(F32, 128).family == "mma_3xtf32"      # beyond the wgmma split's head dims
     assert backward(F32, 256).family == "portable"         # beyond its head dims
     assert backward(F32, 64, gpu=A100).family == "portable"  # "highest" elsewhere
     assert backward(F32, 128, precision="tf32").family == "mma_f32"
@@ -267,22 +268,28 @@ def test_backward_families_and_tiles():
     assert backward(F16, 512).family == "portable"
 
 
-def test_sm90_3xtf32_backward_is_reached_only_when_forced():
-    """The wgmma split backward (written without a GPU, not measured yet) serves float32
-    "highest" to head dim 64 on sm_90 when forced; the default stays mma_3xtf32."""
-    assert backward(F32, 64).family == "mma_3xtf32"
-    choice = backward(F32, 64, forced="sm90_3xtf32")
+def test_sm90_3xtf32_backward_serves_head_dims_to_64_on_sm90():
+    """The wgmma split backward serves float32 "highest" to head dim 64 on sm_90, two
+    warpgroups per block; wider heads and other GPUs go on to mma_3xtf32 and portable."""
+    choice = backward(F32, 64)
     assert choice.family == "sm90_3xtf32"
     assert choice.filename == "attention_backward_sm90_tf32.cu"
     assert choice.delta == "attention_bwd_delta<float>"
     flags = "cuattn::NoBias, false, 64, 64"
-    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
-    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
-    assert (choice.dkdv_rows, choice.dq_rows, choice.threads_dkdv) == (64, 64, 128)
-    # the .cu header's shared memory: K, V (hi, lo) + 4 query tiles + 2 transposed ones per
-    # buffer; Q, dO (hi, lo) + 4 key tiles + K^T (hi, lo) per buffer
-    assert (choice.smem_dkdv, choice.smem_dq) == ((2 * 64 * 128 + 8 * 32 * 128 + 128) * 4,
-                                                  (2 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
+    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, false, 2>"
+    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 32, true, 1, true, 2>"
+    assert (choice.dkdv_rows, choice.dq_rows) == (128, 128)
+    assert (choice.threads_dkdv, choice.threads_dq) == (256, 256)
+    # the .cu header's shared memory: K, V (hi, lo) of both warpgroups + 4 query tiles + 2
+    # transposed ones; Q, dO (hi, lo) of both + 4 key tiles + K^T (hi, lo) per buffer
+    assert (choice.smem_dkdv, choice.smem_dq) == ((4 * 64 * 128 + 6 * 32 * 128 + 128) * 4,
+                                                  (4 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
+    one = backward(F32, 64, forced="sm90_3xtf32",
+                   tiles=d.Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True))
+    assert one.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
+    assert (one.dkdv_rows, one.dq_rows, one.threads_dkdv) == (64, 64, 128)
+    assert (one.smem_dkdv, one.smem_dq) == ((2 * 64 * 128 + 8 * 32 * 128 + 128) * 4,
+                                            (2 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
     plain = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64))
     assert plain.dq.endswith(", 64, 64, 64, true, 1, false, 1>") and plain.smem_dq == 224 * 1024
     assert plain.smem_dkdv == (2 * 64 * 128 + 6 * 32 * 128 + 128) * 4
@@ -326,9 +333,10 @@ def test_every_backward_candidate_fits_its_gpu():
 
 
 def test_mma_f32_backward_instances_and_shared_memory():
-    # "highest" at D64: one block computes dK and dV; K and V in fragment order, two
-    # stages of Q, dO (pitch D + 4), each split once into hi and lo planes, lse and delta
-    choice = backward(F32, 40)
+    # "highest" at D64 (forced: sm90_3xtf32 serves it on Hopper): one block computes dK
+    # and dV; K and V in fragment order, two stages of Q, dO (pitch D + 4), each split once
+    # into hi and lo planes, lse and delta
+    choice = backward(F32, 40, forced="mma_3xtf32")
     assert choice.filename == "attention_backward_mma_f32.cu"
     assert choice.dkdv == ("attention_bwd_dkdv_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, "
                            "true, false, true, true, 2>")
