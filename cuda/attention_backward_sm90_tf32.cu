@@ -204,14 +204,30 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
                                                     p.v_s.row, p.v_s.col, keys, p.head_dim_v,
                                                     Sw128<64, 4>());
     }
-    // Q, dO, lse (log2 units) and delta of query tile t into raw stage t % 2
+    // Q and dO of query tile t into raw stage t % 2 by cp.async, and its lse (log2 units)
+    // and delta. Two warpgroups: lse and delta from the registers that were loaded one
+    // request earlier, then tile t + 1's into them (no warp waits on those loads before the
+    // next request; one warpgroup keeps the plain loads: the registers would spill its
+    // overlapped form)
+    QueryRowStats<BLOCK_M> stats;
     auto request_q = [&](int t) {
         const int st = t & 1;
-        request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, lse_s + st * BLOCK_M,
-            delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m_lo + (long long)t * BLOCK_M);
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        if constexpr (WARPGROUPS == 1) {
+            request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, lse_s + st * BLOCK_M,
+                delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m0);
+        } else {
+            request_query_operands<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, q, dout, bp, m0);
+            stats.store(lse_s + st * BLOCK_M, delta_s + st * BLOCK_M);
+            if (t + 1 < tiles) stats.load(lse, delta, bp, m0 + BLOCK_M);
+        }
     };
-    if (tiles > 0) request_q(0);
+    if (tiles > 0) {
+        if constexpr (WARPGROUPS > 1) stats.load(lse, delta, bp, m_lo);
+        request_q(0);
+    }
     cp_async_commit();  // K, V and the first query tile
     cp_async_wait<0>();
     // K and V split in place (lo tile after hi) by the threads that copied each chunk

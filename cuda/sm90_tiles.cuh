@@ -13,7 +13,8 @@
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
 //   zero, request_query_tile  accumulators cleared; a dK/dV kernel's query-tile stage (the
-//               backwards)
+//               backwards; request_query_operands and QueryRowStats: the same in two parts,
+//               lse and delta a tile ahead through registers)
 //   transpose_v  a staged float tile transposed (V^T, Q^T, dO^T, K^T) for the TF32 register-A
 //               products, rounded or split
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
@@ -255,15 +256,12 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
         for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 }
 
-// Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
-// kernel of the backwards (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused,
-// attention_bwd_dkdv_sm90_3xtf32): the two tiles by cp.async (or element loads) in the
-// Sw128<BLOCK_M, sizeof(T)> layout, lse and delta by plain loads (rows past Sq: -inf and 0).
+// Q and dO of the query tile at row m0 into one stage of a dK/dV kernel of the backwards:
+// the two tiles by cp.async (or element loads) in the Sw128<BLOCK_M, sizeof(T)> layout.
 template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
-__device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
-                                                   float* delta_st, const T* q, const T* dout,
-                                                   const float* lse, const float* delta,
-                                                   const AttnBwdParams& bp, long long m0) {
+__device__ __forceinline__ void request_query_operands(T* q_st, T* do_st, const T* q,
+                                                       const T* dout, const AttnBwdParams& bp,
+                                                       long long m0) {
     const AttnParams& p = bp.f;
     mma::load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_st, q + m0 * p.q_s.row, p.q_s.row,
                                                         p.q_s.col, p.seqlen_q - m0, p.head_dim,
@@ -271,12 +269,51 @@ __device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse
     mma::load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
         do_st, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col, p.seqlen_q - m0,
         p.head_dim_v, Sw128<BLOCK_M, sizeof(T)>());
+}
+
+// Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
+// kernel of the backwards (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused): the two
+// tiles by request_query_operands, lse and delta by plain loads (rows past Sq: -inf and 0).
+template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
+__device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
+                                                   float* delta_st, const T* q, const T* dout,
+                                                   const float* lse, const float* delta,
+                                                   const AttnBwdParams& bp, long long m0) {
+    const AttnParams& p = bp.f;
+    request_query_operands<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(q_st, do_st, q, dout,
+                                                                            bp, m0);
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
         const long long r = m0 + i;
         lse_st[i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
         delta_st[i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
     }
 }
+
+// lse and delta of one query tile, held in registers from their load to their store into a
+// stage, for a dK/dV kernel that loads them a tile ahead (attention_bwd_dkdv_sm90_3xtf32):
+// with request_query_tile's plain loads the warp that stores them waits for global memory
+// once per tile while the others wait for it at the next block barrier. Thread i <
+// BLOCK_M (<= the block's threads) holds row m0 + i; rows past Sq give -inf and 0, and the
+// store writes lse in log2 units, as request_query_tile does.
+template <int BLOCK_M> struct QueryRowStats {
+    float lse = 0.f, delta = 0.f;
+    __device__ __forceinline__ void load(const float* lse_p, const float* delta_p,
+                                         const AttnBwdParams& bp, long long m0) {
+        const long long r = m0 + threadIdx.x;
+        lse = neg_inf<float>();
+        delta = 0.f;
+        if (threadIdx.x < BLOCK_M && r < bp.f.seqlen_q) {
+            lse = lse_p[r * bp.f.lse_s.row];
+            delta = delta_p[r * bp.delta_s.row];
+        }
+    }
+    __device__ __forceinline__ void store(float* lse_st, float* delta_st) const {
+        if (threadIdx.x < BLOCK_M) {
+            lse_st[threadIdx.x] = lse * float(LOG2E);
+            delta_st[threadIdx.x] = delta;
+        }
+    }
+};
 
 // The transposed TF32 tile of a staged float tile: V^T for the forwards' O += P V
 // (attention_sm90_tf32.cu), Q^T, dO^T and K^T for the split backward's gradient products
