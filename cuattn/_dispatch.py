@@ -905,6 +905,11 @@ class Sm90BwdTiles:
     #: tile's gradient products, so the element-wise part runs under them
     dkdv_overlap: bool = False
     dq_overlap: bool = False
+    #: the dK/dV kernel loads each query tile's lse and delta one request earlier into
+    #: registers (the plain loads make the storing warps wait for global memory before the
+    #: tile's S and dP products are issued). Written without device time (seventeenth
+    #: session): not in the table until measured
+    dkdv_stats_ahead: bool = False
 
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
@@ -966,7 +971,8 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     return BackwardChoice(
         "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}>",
+        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}"
+        f"{', true' if tiles.dkdv_stats_ahead else ''}>",
         f"attention_bwd_dq_sm90<{t}, {g_q}, {flags}, {tiles.block_n}, {al}, "
         f"{tiles.dq_min_blocks}, {str(tiles.dq_overlap).lower()}>",
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)

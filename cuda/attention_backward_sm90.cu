@@ -36,7 +36,9 @@
 //             fused kernel's query tile BLOCK_M: 32 or 64); ALIGNED; MIN_BLOCKS; OVERLAP
 //             (the two kernels: the next tile's S and dP issued before this tile's
 //             gradient products, so that the element-wise part runs under them; three
-//             stages of the streamed tiles instead of two).
+//             stages of the streamed tiles instead of two); STATS_AHEAD (dK/dV only, default
+//             false: each query tile's lse and delta loaded one request earlier into
+//             registers; not measured yet, reached through explicit tiles).
 // Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + S*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + S*2*BLOCK_M*4 bytes;  dQ: (64 + S*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes,
 //             S = 3 stages with OVERLAP, else 2;
@@ -53,7 +55,7 @@ using namespace cuattn::mma;
 using namespace cuattn::sm90;
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP>
+          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP, bool STATS_AHEAD = false>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {
     constexpr int THREADS = 128, BLOCK_N = 64, STAGES = OVERLAP ? 3 : 2;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
@@ -96,13 +98,26 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
                                                      p.seqlen_k - n0, p.head_dim_v,
                                                      Sw128<BLOCK_N>());
-    // Q, dO, lse and delta of query tile m0 into stage `st`
+    // Q, dO, lse and delta of query tile m0 into stage `st` (tiles are requested in order).
+    // STATS_AHEAD: lse and delta from registers loaded one request earlier, then the next
+    // tile's into them (QueryRowStats), so that the warps that store them do not wait for
+    // global memory before this tile's S and dP products are issued
+    QueryRowStats<BLOCK_M> stats;
     auto request_q = [&](long long m0, int st) {
-        request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, lse_s + st * BLOCK_M, delta_s + st * BLOCK_M,
-            q, dout, lse, delta, bp, m0);
+        if constexpr (STATS_AHEAD) {
+            request_query_operands<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, q, dout, bp, m0);
+            stats.store(lse_s + st * BLOCK_M, delta_s + st * BLOCK_M);
+            if (m0 + BLOCK_M < m_hi) stats.load(lse, delta, bp, m0 + BLOCK_M);
+        } else {
+            request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, lse_s + st * BLOCK_M,
+                delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m0);
+        }
     };
     const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
+    if constexpr (STATS_AHEAD)
+        if (tiles > 0) stats.load(lse, delta, bp, m_lo);
 #pragma unroll
     for (int i = 0; i < (OVERLAP ? 1 : STAGES - 1); ++i) {  // K and V join the first group
         if (i < tiles) request_q(m_lo + i * BLOCK_M, i);

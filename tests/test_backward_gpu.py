@@ -4,6 +4,8 @@ float64 finite differences, determinism, broadcasting reductions and every mask 
 Outputs are poisoned: before each backward the memory pool is handed NaN-filled blocks of
 the gradients' sizes, so an element that a kernel fails to write shows up as NaN.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, to_host
@@ -384,6 +386,36 @@ def test_sm90_overlapped_forms(dtype, head, case):
     dout = rng.standard_normal((2, 3, sq, head)).astype(dtype)
     got = _backward("sm90", dout, q, k, v, overlap, **kw)
     want = _backward("sm90", dout, q, k, v, plain, **kw)
+    ulp = 2.0 ** (-10 if np.dtype(dtype) == np.float16 else -7)
+    for name, g, w in zip("qkv", got, want):
+        g, w = g.astype(np.float32), w.astype(np.float32)
+        assert np.abs(g - w).max() <= 2 * ulp * np.abs(w).max(), f"d{name}"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain"])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+@pytest.mark.parametrize("dtype", [p for p in DTYPES if np.dtype(p).itemsize == 2],
+                         ids=lambda d: np.dtype(d).name)
+def test_sm90_dkdv_stats_ahead(dtype, case, head, overlap):
+    """The dK/dV kernel that loads each query tile's lse and delta a request ahead
+    (dkdv_stats_ahead): accurate, and the gradients of the same tiles without it to within
+    two units in the last place of T (the same arithmetic; as for the overlapped forms, the
+    two instances' code may contract differently), over the band and mask cases and the
+    long ones (both forms' stages refilled many times)."""
+    _needs_sm90()
+    base = OVERLAP_TILES[head][0 if overlap else 1]
+    ahead = dataclasses.replace(base, dkdv_stats_ahead=True)
+    sq, sk, kw = OVERLAP_CASES[case]
+    rng = np.random.default_rng(sq + sk + head + 7)
+    kw = dict(kw)
+    if kw.get("mask") == "random":
+        kw["mask"] = rng.random((2, 1, sq, sk)) > 0.3
+    q, k, v = (_rand(rng, (2, 3, s, head), dtype) for s in (sq, sk, sk))
+    _check("sm90", q, k, v, rng, tiles=ahead, **kw)
+    dout = rng.standard_normal((2, 3, sq, head)).astype(dtype)
+    got = _backward("sm90", dout, q, k, v, ahead, **kw)
+    want = _backward("sm90", dout, q, k, v, base, **kw)
     ulp = 2.0 ** (-10 if np.dtype(dtype) == np.float16 else -7)
     for name, g, w in zip("qkv", got, want):
         g, w = g.astype(np.float32), w.astype(np.float32)

@@ -383,5 +383,13 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.dkdv.endswith(", 64, true, 2, false>") and choice.dq.endswith(", 3, false>")
     assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
+    # lse and delta a request ahead (explicit tiles): one more template argument, the same
+    # shared memory; without it the name keeps the default
+    ahead = backward(BF16, 64, tiles=d.Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True,
+                                                    dq_overlap=True, dkdv_stats_ahead=True))
+    assert ahead.dkdv.endswith(", 64, 64, 64, true, 2, true, true>")
+    assert ahead.dq.endswith(", 64, true, 3, true>")
+    assert ahead.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
+    assert backward(BF16, 64).dkdv.endswith(", 64, 64, 64, true, 2, true>")
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")

@@ -36,10 +36,13 @@ S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM]
     #                   [, overlapped forms]), or the fused kernel's query tile (128 keys per
     #                   block); the table's choice first
-    64: [S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True), S(64, 64, 2, 3),
+    64: [S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),
+         S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True, dkdv_stats_ahead=True),
+         S(64, 64, 2, 3),
          S(64, 64, 2, 3, dkdv_overlap=True), S(64, 128, fused=True), S(32, 64, 3, 3),
          S(32, 64), S(32, 128, 3, 2)],
-    128: [S(64, 64), S(64, 64, dq_overlap=True), S(32, 64, dkdv_overlap=True),
+    128: [S(64, 64), S(64, 64, dkdv_stats_ahead=True), S(64, 64, dq_overlap=True),
+          S(32, 64, dkdv_overlap=True),
           S(32, 128, fused=True), S(32, 64), S(32, 128), S(64, 128)],
 }
 
