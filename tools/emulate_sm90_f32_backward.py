@@ -1,4 +1,6 @@
-"""Emulate attention_backward_sm90_tf32.cu (the sm90_3xtf32 backward) in NumPy, no GPU.
+"""Emulate attention_backward_sm90_tf32.cu (the sm90_3xtf32 backward) in NumPy, no GPU: its
+one-warpgroup forms (WARPGROUPS = 1; the two-warpgroup forms, written after this tool, were
+checked on the GPU instead).
 
     PYTHONPATH=. python tools/emulate_sm90_f32_backward.py
 
