@@ -135,6 +135,42 @@ __device__ __forceinline__ void split_product_rs(float (&acc)[N / 8][4],
     product_rs_tf32<N, CONTRACT, false>(acc, hi, z_tile, true);
 }
 
+// A block's stationary operands (dK/dV: K and V; dQ: Q and dO), 64 rows per warpgroup:
+// warpgroup g's rows g * 64 .. of a (b) into a split tile of its own at a_s (b_s) + g * 2 *
+// 64 * HEAD_DIM (HEAD_DIM_V) floats, hi then lo, for the tensor cores' A operand. `rows`
+// rows are left from a's and b's first; every thread of the block copies, and a warpgroup
+// past the last row gets zeros and reads nothing (its source is the first row).
+// load_own_tiles requests the copies; split_own_tiles, once they have landed, splits the
+// chunks each thread copied itself (no barrier between).
+template <int WARPGROUPS, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void load_own_tiles(float* a_s, float* b_s, const float* a,
+                                               const Strides& a_str, const float* b,
+                                               const Strides& b_str, long long rows,
+                                               long long a_cols, long long b_cols) {
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        const long long left = rows - 64 * g, at = left > 0 ? 64 * g : 0;
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(a_s + g * 2 * 64 * HEAD_DIM, a + at * a_str.row,
+                                                  a_str.row, a_str.col, left, a_cols,
+                                                  Sw128<64, 4>());
+        load_tile<64, HEAD_DIM_V, THREADS, ALIGNED>(b_s + g * 2 * 64 * HEAD_DIM_V,
+                                                    b + at * b_str.row, b_str.row, b_str.col,
+                                                    left, b_cols, Sw128<64, 4>());
+    }
+}
+
+template <int WARPGROUPS, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void split_own_tiles(float* a_s, float* b_s) {
+    constexpr int A_ELEMS = 64 * HEAD_DIM, B_ELEMS = 64 * HEAD_DIM_V;
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, true, A_ELEMS>(a_s + g * 2 * A_ELEMS,
+                                                                      Sw128<64, 4>());
+        round_own_tf32<64, HEAD_DIM_V, THREADS, ALIGNED, true, B_ELEMS>(b_s + g * 2 * B_ELEMS,
+                                                                        Sw128<64, 4>());
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N][4]) {
 #pragma unroll
@@ -191,19 +227,9 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     const long long m_lo = queries.lo, m_hi = queries.hi;
     const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
 
-    // each warpgroup's 64 keys: a tile of their own (the tensor cores' A operand), every
-    // thread of the block copying; a warpgroup past the last key gets zeros (and reads
-    // nothing: its source is the block's first key)
-#pragma unroll
-    for (int g = 0; g < WARPGROUPS; ++g) {
-        const long long keys = p.seqlen_k - n0 - 64 * g, at = keys > 0 ? 64 * g : 0;
-        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(k_s + g * 2 * K_ELEMS, k + at * p.k_s.row,
-                                                  p.k_s.row, p.k_s.col, keys, p.head_dim,
-                                                  Sw128<64, 4>());
-        load_tile<64, HEAD_DIM_V, THREADS, ALIGNED>(v_s + g * 2 * V_ELEMS, v + at * p.v_s.row,
-                                                    p.v_s.row, p.v_s.col, keys, p.head_dim_v,
-                                                    Sw128<64, 4>());
-    }
+    // each warpgroup's 64 keys of K and V
+    load_own_tiles<WARPGROUPS, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+        k_s, v_s, k, p.k_s, v, p.v_s, p.seqlen_k - n0, p.head_dim, p.head_dim_v);
     // Q and dO of query tile t into raw stage t % 2 by cp.async, and its lse (log2 units)
     // and delta. Two warpgroups: lse and delta from the registers that were loaded one
     // request earlier, then tile t + 1's into them (no warp waits on those loads before the
@@ -230,14 +256,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     }
     cp_async_commit();  // K, V and the first query tile
     cp_async_wait<0>();
-    // K and V split in place (lo tile after hi) by the threads that copied each chunk
-#pragma unroll
-    for (int g = 0; g < WARPGROUPS; ++g) {
-        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, true, K_ELEMS>(k_s + g * 2 * K_ELEMS,
-                                                                      Sw128<64, 4>());
-        round_own_tf32<64, HEAD_DIM_V, THREADS, ALIGNED, true, V_ELEMS>(v_s + g * 2 * V_ELEMS,
-                                                                        Sw128<64, 4>());
-    }
+    split_own_tiles<WARPGROUPS, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(k_s, v_s);
 
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
     zero(dk);
@@ -385,28 +404,13 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
             k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, k, v,
             n_lo + (long long)t * BLOCK_N, p, Sw128<BLOCK_N, 4>(), Sw128<BLOCK_N, 4>());
     };
-    // each warpgroup's 64 rows of Q and dO: tiles of their own (as the dK/dV kernel's K, V)
-#pragma unroll
-    for (int g = 0; g < WARPGROUPS; ++g) {
-        const long long rows = p.seqlen_q - m0 - 64 * g, at = rows > 0 ? 64 * g : 0;
-        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + g * 2 * Q_ELEMS, q + at * p.q_s.row,
-                                                  p.q_s.row, p.q_s.col, rows, p.head_dim,
-                                                  Sw128<64, 4>());
-        load_tile<64, HEAD_DIM_V, THREADS, ALIGNED>(do_s + g * 2 * DO_ELEMS,
-                                                    dout + at * bp.dout_s.row, bp.dout_s.row,
-                                                    bp.dout_s.col, rows, p.head_dim_v,
-                                                    Sw128<64, 4>());
-    }
+    // each warpgroup's 64 rows of Q and dO
+    load_own_tiles<WARPGROUPS, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+        q_s, do_s, q, p.q_s, dout, bp.dout_s, p.seqlen_q - m0, p.head_dim, p.head_dim_v);
     if (tiles > 0) request_kv(0);
     cp_async_commit();  // Q, dO and the first key tile
     cp_async_wait<0>();
-#pragma unroll
-    for (int g = 0; g < WARPGROUPS; ++g) {
-        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, true, Q_ELEMS>(q_s + g * 2 * Q_ELEMS,
-                                                                      Sw128<64, 4>());
-        round_own_tf32<64, HEAD_DIM_V, THREADS, ALIGNED, true, DO_ELEMS>(do_s + g * 2 * DO_ELEMS,
-                                                                         Sw128<64, 4>());
-    }
+    split_own_tiles<WARPGROUPS, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(q_s, do_s);
 
     // this lane's two rows (g and g + 8 of the warp's 16)
     float lse_log2[2], dl[2];
