@@ -6,6 +6,7 @@
     PYTHONPATH=. python tools/sweep_backward.py --f32 highest  # mma_3xtf32 family, float32
     PYTHONPATH=. python tools/sweep_backward.py --f32 tf32     # mma_f32 family
     PYTHONPATH=. python tools/sweep_backward.py --sm90-f32     # sm90_3xtf32 family ("highest")
+    PYTHONPATH=. python tools/sweep_backward.py --sm90 --first 2  # each head dim's first two
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
@@ -89,7 +90,11 @@ def main():
         table, family = CANDIDATES, "mma"
     s = 4096
     print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
-    heads = [int(a) for a in sys.argv[1:] if a.isdigit()]  # e.g. 64: only that head dim
+    args = sys.argv[1:]
+    first = None
+    if "--first" in args:  # only each head dim's first N candidates
+        first = int(args.pop(args.index("--first") + 1))
+    heads = [int(a) for a in args if a.isdigit()]  # e.g. 64: only that head dim
     for d, cands in table.items():
         if heads and d not in heads:
             continue
@@ -99,7 +104,7 @@ def main():
             out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
             dout = cp.random.standard_normal(out.shape).astype(dtype)
             flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
-            rows = [(family, t) for t in cands]
+            rows = [(family, t) for t in cands[:first]]
             if family == "sm90_3xtf32":  # beside the table's mma_3xtf32 choice
                 rows.insert(0, ("mma_3xtf32", None))
             for fam, tiles in rows:
