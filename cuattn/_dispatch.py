@@ -914,7 +914,8 @@ class Sm90BwdTiles:
 
 #: sm90 backward: (largest head dim, candidate tiles, measured reason).
 SM90_BACKWARD_TILES = (
-    (64, (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),),
+    (64, (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
+                       dkdv_stats_ahead=True),),
      "H200 bf16 B4 H32 S4096 D64 (session 9, tools/sweep_backward.py --sm90, after "
      "p_and_ds_tile): 64-query dK/dV tiles capped at 2 blocks per SM, dQ at 3, 192.5 / 166.4 "
      "TFLOP/s (non-causal / causal); 32-query both capped at 3 (the session-6 choice) "
@@ -922,8 +923,10 @@ SM90_BACKWARD_TILES = (
      "kernel (fused=True, 64-query tiles) 158.3 / 145.3. Session 14, both kernels "
      "overlapped (three stages): 197.8-200.0 / 180.1 against 190.1-191.0 / 175.3-175.4 "
      "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9). Session "
-     "15, the interior pass of p_and_ds_tile (not re-swept): 262.8 / 237.4 (bench)"),
-    (128, (Sm90BwdTiles(64, 64),),
+     "15, the interior pass of p_and_ds_tile (not re-swept): 262.8 / 237.4 (bench). "
+     "Session 18, lse and delta loaded one request ahead (dkdv_stats_ahead): 291.4 / 248.6 "
+     "against 260.2 / 223.8"),
+    (128, (Sm90BwdTiles(64, 64, dkdv_stats_ahead=True),),
      "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
      "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
      "223.9 / 199.1, 128-key dQ tiles 182.5 / 163.5 (64-query 205.9 / 179.9); the fused "
@@ -931,7 +934,8 @@ SM90_BACKWARD_TILES = (
      "64-query dK/dV overlapped spills (255 registers), dQ overlapped (three stages: one "
      "block per SM) 222.1-222.4 / 204.3-204.5 against 268.1-269.3 / 245.7-246.3, 32-query "
      "dK/dV overlapped 241.2-241.4 / 221.2-221.5. Session 15, the interior pass of "
-     "p_and_ds_tile (not re-swept): 323.1 / 278.8 (bench)"),
+     "p_and_ds_tile (not re-swept): 323.1 / 278.8 (bench). Session 18, dkdv_stats_ahead: "
+     "350.4 / 294.0 against 329.7 / 282.1"),
 )
 
 

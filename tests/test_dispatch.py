@@ -247,7 +247,7 @@ def test_mma_f64_instances_fit_the_gpus_with_fp64_tensor_cores():
 def test_backward_families_and_tiles():
     assert backward(BF16, 64).family == "sm90"             # Hopper: wgmma
     d128 = backward(BF16, 128)                               # 64-query dK/dV tiles at D128
-    assert d128.family == "sm90" and ", 128, 128, 64, true, 1, false>" in d128.dkdv
+    assert d128.family == "sm90" and ", 128, 128, 64, true, 1, false, true>" in d128.dkdv
     assert backward(BF16, 256).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
@@ -368,10 +368,11 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.smem_dkdv == (128 * 128 + 3 * 64 * 128 + 64 * 128) * 2 + 3 * 2 * 64 * 4
     # the table's two kernels: one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all
     # columns in one block (64-query tiles in dK/dV; at D64 dK/dV capped at 2 blocks per SM,
-    # dQ at 3, both overlapped: three stages of the streamed tiles)
+    # dQ at 3, both overlapped: three stages of the streamed tiles; dK/dV loads lse and delta
+    # a request ahead)
     choice = backward(BF16, 40)
     assert choice.dkdv == ("attention_bwd_dkdv_sm90<__nv_bfloat16, __nv_bfloat16, "
-                           "cuattn::NoBias, false, 64, 64, 64, true, 2, true>")
+                           "cuattn::NoBias, false, 64, 64, 64, true, 2, true, true>")
     assert choice.dq == ("attention_bwd_dq_sm90<__nv_bfloat16, __nv_bfloat16, "
                          "cuattn::NoBias, false, 64, 64, 64, true, 3, true>")
     assert choice.threads_dkdv == choice.threads_dq == 128
@@ -383,13 +384,14 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.dkdv.endswith(", 64, true, 2, false>") and choice.dq.endswith(", 3, false>")
     assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
-    # lse and delta a request ahead (explicit tiles): one more template argument, the same
-    # shared memory; without it the name keeps the default
-    ahead = backward(BF16, 64, tiles=d.Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True,
-                                                    dq_overlap=True, dkdv_stats_ahead=True))
-    assert ahead.dkdv.endswith(", 64, 64, 64, true, 2, true, true>")
-    assert ahead.dq.endswith(", 64, true, 3, true>")
-    assert ahead.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
-    assert backward(BF16, 64).dkdv.endswith(", 64, 64, 64, true, 2, true>")
+    # lse and delta loaded when used (explicit tiles): the name keeps the template's default,
+    # the shared memory is the same
+    plain = backward(BF16, 64, tiles=d.Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True,
+                                                    dq_overlap=True))
+    assert plain.dkdv.endswith(", 64, 64, 64, true, 2, true>")
+    assert plain.dq.endswith(", 64, true, 3, true>")
+    assert plain.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
+    assert backward(BF16, 64).dkdv.endswith(", 64, 64, 64, true, 2, true, true>")
+    assert backward(BF16, 128).dkdv.endswith(", 128, 128, 64, true, 1, false, true>")
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")
