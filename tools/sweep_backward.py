@@ -7,6 +7,8 @@
     PYTHONPATH=. python tools/sweep_backward.py --f32 tf32     # mma_f32 family
     PYTHONPATH=. python tools/sweep_backward.py --sm90-f32     # sm90_3xtf32 family ("highest")
     PYTHONPATH=. python tools/sweep_backward.py --sm90 --first 2  # each head dim's first two
+    PYTHONPATH=. python tools/sweep_backward.py --sm90 --mask --bias  # with a key-padding-like
+                                           # bool mask (B, 1, S, S) and a bias (1, 1, S, S)
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
@@ -37,12 +39,12 @@ S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM]
     #                   [, overlapped forms]), or the fused kernel's query tile (128 keys per
     #                   block); the table's choice first
-    64: [S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),
-         S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True, dkdv_stats_ahead=True),
+    64: [S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True, dkdv_stats_ahead=True),
+         S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),
          S(64, 64, 2, 3),
          S(64, 64, 2, 3, dkdv_overlap=True), S(64, 128, fused=True), S(32, 64, 3, 3),
          S(32, 64), S(32, 128, 3, 2)],
-    128: [S(64, 64), S(64, 64, dkdv_stats_ahead=True), S(64, 64, dq_overlap=True),
+    128: [S(64, 64, dkdv_stats_ahead=True), S(64, 64), S(64, 64, dq_overlap=True),
           S(32, 64, dkdv_overlap=True),
           S(32, 128, fused=True), S(32, 64), S(32, 128), S(64, 128)],
 }
@@ -89,6 +91,7 @@ def main():
     else:
         table, family = CANDIDATES, "mma"
     s = 4096
+    print(" ".join(a for a in ("--mask", "--bias") if a in sys.argv) or "no mask, no bias")
     print(f"{'shape':22s} {'causal':6s} {'tiles':44s} {'ms':>8s} {'TFLOP/s':>8s}")
     args = sys.argv[1:]
     first = None
@@ -100,8 +103,14 @@ def main():
             continue
         b, h = 16384 // s, 2048 // d
         q, k, v = (cp.random.standard_normal((b, h, s, d)).astype(dtype) for _ in range(3))
+        features = {}
+        if "--mask" in args:
+            features["mask"] = cp.random.random((b, 1, s, s)) > 0.1
+        if "--bias" in args:
+            features["bias"] = cp.random.standard_normal((1, 1, s, s)).astype(dtype)
         for causal in (False, True):
-            out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
+            out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **features,
+                                        **kw)
             dout = cp.random.standard_normal(out.shape).astype(dtype)
             flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
             rows = [(family, t) for t in cands[:first]]
@@ -111,9 +120,10 @@ def main():
                 label = fam if tiles is None else " ".join(
                     f"{k}={v}" for k, v in vars(tiles).items())
                 try:
-                    def call(tiles=tiles, fam=fam, causal=causal, args=(dout, q, k, v, out, lse)):
+                    def call(tiles=tiles, fam=fam, causal=causal, ft=features,
+                             args=(dout, q, k, v, out, lse)):
                         return _attention_backward(*args, causal=causal, kernel=fam,
-                                                   tiles=tiles, **kw)
+                                                   tiles=tiles, **ft, **kw)
                     ms = _time(call, cp, max_reps=10, budget_s=0.5)
                     rate = f"{flops / ms / 1e9:8.1f}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
