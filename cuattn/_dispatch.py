@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -925,7 +925,8 @@ SM90_BACKWARD_TILES = (
      "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9). Session "
      "15, the interior pass of p_and_ds_tile (not re-swept): 262.8 / 237.4 (bench). "
      "Session 18, lse and delta loaded one request ahead (dkdv_stats_ahead): 291.4 / 248.6 "
-     "against 260.2 / 223.8"),
+     "against 260.2 / 223.8; with a bool mask (B, 1, S, S) and a bias (1, 1, S, S) 40.5 / "
+     "41.0 against 41.6 / 42.0, so _sm90_backward drops it when either is given"),
     (128, (Sm90BwdTiles(64, 64, dkdv_stats_ahead=True),),
      "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
      "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
@@ -935,7 +936,8 @@ SM90_BACKWARD_TILES = (
      "block per SM) 222.1-222.4 / 204.3-204.5 against 268.1-269.3 / 245.7-246.3, 32-query "
      "dK/dV overlapped 241.2-241.4 / 221.2-221.5. Session 15, the interior pass of "
      "p_and_ds_tile (not re-swept): 323.1 / 278.8 (bench). Session 18, dkdv_stats_ahead: "
-     "350.4 / 294.0 against 329.7 / 282.1"),
+     "350.4 / 294.0 against 329.7 / 282.1; with a mask and a bias 70.3 / 70.5 against "
+     "72.4 / 72.3 (dropped there)"),
 )
 
 
@@ -959,6 +961,11 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in SM90_BACKWARD_TILES if head <= max_d)
+    if tiles is None and (bias_dtype is not None or has_mask):
+        # the table's lse and delta a request ahead only where measured faster: with a mask
+        # and a bias both its D64 and D128 forms ran 2-3 % slower (session 18), their
+        # instances spilling more (D128: 168 / 228 bytes against 68 / 108)
+        candidates = tuple(replace(c, dkdv_stats_ahead=False) for c in candidates)
     tiles, smem = _first_fit(candidates, lambda t: sm90_backward_smem_bytes(t, hd, hdv),
                              smem_limit, "sm90 backward", f"head dims {head_dim}, {head_dim_v}")
     t = c_type_name(dtype)

@@ -19,12 +19,13 @@ def forward(dtype, head, *, gpu=H200, precision=None, forced=None, bias=None, ma
     return d._choose(dtype, head, head, bias, mask, True, cc, smem, forced, None, precision)
 
 
-def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None, precision=None):
+def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None, precision=None,
+             bias=None, has_mask=False):
     cc, smem = gpu
     grads = grads or (dtype, dtype)
     if precision is None and dtype == F32:
         precision = "highest"
-    return d._choose_backward(dtype, head, head, None, False, grads, True, cc, smem, forced,
+    return d._choose_backward(dtype, head, head, bias, has_mask, grads, True, cc, smem, forced,
                               tiles, precision)
 
 
@@ -398,5 +399,11 @@ def test_sm90_backward_instances_and_shared_memory():
     assert plain.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
     assert backward(BF16, 64).dkdv.endswith(", 64, 64, 64, true, 2, true, true>")
     assert backward(BF16, 128).dkdv.endswith(", 128, 128, 64, true, 1, false, true>")
+    # ... without a mask and a bias only (the table's; explicit tiles are taken as given)
+    assert backward(BF16, 64, has_mask=True).dkdv.endswith(", 64, true, 2, true>")
+    assert backward(BF16, 128, bias=BF16).dkdv.endswith(", 64, true, 1, false>")
+    assert backward(BF16, 64, has_mask=True, tiles=d.Sm90BwdTiles(
+        64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
+        dkdv_stats_ahead=True)).dkdv.endswith(", 2, true, true>")
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")
