@@ -1000,9 +1000,7 @@ class Sm90F32BwdTiles:
     dkdv_overlap: bool = False
     dq_overlap: bool = False
     #: warpgroups per block (1 or 2): 64 keys (dK/dV) or query rows (dQ) each, sharing the
-    #: streamed tiles; dQ's 2 only with block_n 32. dK/dV overlapped with 2 is the staged
-    #: form: one buffer of the transposed tiles, each written once tile t's products that
-    #: read it are done
+    #: streamed tiles; 2 only without dkdv_overlap, and with block_n 32
     dkdv_warpgroups: int = 1
     dq_warpgroups: int = 1
 
@@ -1026,9 +1024,8 @@ def sm90_f32_backward_smem_bytes(tiles: Sm90F32BwdTiles, hd: int, hdv: int) -> t
     """Dynamic shared memory of attention_bwd_dkdv_sm90_3xtf32 and
     attention_bwd_dq_sm90_3xtf32 (the .cu header)."""
     bm, bn = tiles.block_m, tiles.block_n
+    t_bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
     wk, wq = tiles.dkdv_warpgroups, tiles.dq_warpgroups
-    # overlapped dK/dV with two warpgroups is the staged form: one buffer of transposed tiles
-    t_bufs = (2 if tiles.dkdv_overlap and wk == 1 else 1, 2 if tiles.dq_overlap else 1)
     dkdv = (2 * 64 * wk * (hd + hdv) + (4 + 2 * t_bufs[0]) * bm * (hd + hdv) + 2 * 2 * bm) * 4
     dq = (2 * 64 * wq * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * t_bufs[1] * bn * hd) * 4
     return dkdv, dq

@@ -40,10 +40,8 @@
 //             (16-byte cp.async copies: unit column strides, 16-byte rows and pointers;
 //             otherwise element loads); MIN_BLOCKS; OVERLAP (the next tile is split and
 //             transposed while the tensor cores run this tile's gradient products: two
-//             buffers of the transposed tiles; for dK/dV with two warpgroups, which have
-//             no room for the second, the staged form: the split tiles written at once,
-//             dO^T once dV's products are done, Q^T once dK's are); WARPGROUPS (1 or 2; 2 at
-//             BLOCK_N = 32 for dQ: shared memory). Gradients are float32.
+//             buffers of the transposed tiles); WARPGROUPS (1, or 2 without OVERLAP for
+//             dK/dV and at BLOCK_N = 32 for dQ: shared memory). Gradients are float32.
 // Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum; the
 //             element-wise pass, the fragments and the gradient products issued into fresh
 //             accumulators; then either (plain) wait, add, and prepare tile t + 1 -- a
@@ -56,7 +54,7 @@
 //             dQ: (2*64*W*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*B*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo; per warpgroup), two raw
 //             stages of K and V, their split tiles and B buffers of the transposed split K;
-//             B = 2 with OVERLAP (dK/dV: one warpgroup), else 1; W = WARPGROUPS. Every tile in the 128-byte-swizzle
+//             B = 2 with OVERLAP, else 1; W = WARPGROUPS. Every tile in the 128-byte-swizzle
 //             layout (sm90_tiles.cuh) with 32-float column groups, each lo tile right after
 //             its hi tile.
 //             cuattn/_dispatch.py::sm90_f32_backward_smem_bytes computes the same numbers.
@@ -191,16 +189,11 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     // BLOCK_M = 16 would leave half of each 128-byte row of Q^T and dO^T unused (their lo
     // tiles would need 128-row spacing); 64 does not fit (registers, shared memory)
     static_assert(HEAD_DIM == 64 && HEAD_DIM_V == 64 && BLOCK_M == 32 &&
-                      (WARPGROUPS == 1 || WARPGROUPS == 2),
+                      (WARPGROUPS == 1 || (WARPGROUPS == 2 && !OVERLAP)),
                   "the shared memory of the split tiles");
     constexpr int K_ELEMS = 64 * HEAD_DIM, V_ELEMS = 64 * HEAD_DIM_V;  // one warpgroup's keys
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
-    // OVERLAP with two warpgroups (no room for a second buffer of the transposed tiles): the
-    // staged form, which writes each of tile t + 1's tiles as soon as the products of tile t
-    // that read its buffer are done (below)
-    constexpr bool STAGED = OVERLAP && WARPGROUPS == 2;
-    constexpr int T_BUFS = OVERLAP && !STAGED ? 2 : 1;  // transposed tiles: one per tile in flight
-    constexpr bool STATS_AHEAD = WARPGROUPS == 2 && !STAGED;  // see request_q
+    constexpr int T_BUFS = OVERLAP ? 2 : 1;  // transposed tiles: one per tile in flight
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -238,16 +231,15 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     load_own_tiles<WARPGROUPS, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
         k_s, v_s, k, p.k_s, v, p.v_s, p.seqlen_k - n0, p.head_dim, p.head_dim_v);
     // Q and dO of query tile t into raw stage t % 2 by cp.async, and its lse (log2 units)
-    // and delta. Two warpgroups, not staged (STATS_AHEAD): lse and delta from the registers
-    // that were loaded one request earlier, then tile t + 1's into them (no warp waits on
-    // those loads before the next request). The other forms keep the plain loads: the two
-    // registers would spill the overlapped and staged forms (whose tensor cores run tile
-    // t's gradient products during those loads anyway)
+    // and delta. Two warpgroups: lse and delta from the registers that were loaded one
+    // request earlier, then tile t + 1's into them (no warp waits on those loads before the
+    // next request; one warpgroup keeps the plain loads: the registers would spill its
+    // overlapped form)
     QueryRowStats<BLOCK_M> stats;
     auto request_q = [&](int t) {
         const int st = t & 1;
         const long long m0 = m_lo + (long long)t * BLOCK_M;
-        if constexpr (!STATS_AHEAD) {
+        if constexpr (WARPGROUPS == 1) {
             request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
                 q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, lse_s + st * BLOCK_M,
                 delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m0);
@@ -259,7 +251,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         }
     };
     if (tiles > 0) {
-        if constexpr (STATS_AHEAD) stats.load(lse, delta, bp, m_lo);
+        if constexpr (WARPGROUPS > 1) stats.load(lse, delta, bp, m_lo);
         request_q(0);
     }
     cp_async_commit();  // K, V and the first query tile
@@ -280,11 +272,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     // tile t's raw stage has landed for this thread: once it has for every thread (and every
     // thread is done with the tiles that the writes below replace), the next tile is
     // requested into the other stage and tile t's split and transposed split tiles written
-    // STAGED: tile t - 1's dV and dK products (two commit groups, in that order) may still
-    // run: the split tiles are free (the scores are done), dO^T once every warpgroup's dV is
-    // done, Q^T once its dK is
     auto prepare = [&](int t) {
-        const int st = t & 1, buf = T_BUFS == 2 ? t & 1 : 0;
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
         __syncthreads();
         if (t + 1 < tiles) request_q(t + 1);
         cp_async_commit();
@@ -292,19 +281,10 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
                                                         Sw128<BLOCK_M, 4>());
         split_tile<BLOCK_M, HEAD_DIM_V, THREADS, DO_ELEMS>(do_s, do_raw + st * DO_ELEMS,
                                                            Sw128<BLOCK_M, 4>());
-        if constexpr (STAGED) {
-            wgmma_wait<1>();
-            __syncthreads();
-            transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s, do_raw + st * DO_ELEMS);
-            wgmma_wait<0>();
-            __syncthreads();
-            transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s, q_raw + st * Q_ELEMS);
-        } else {
-            transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s + buf * 2 * Q_ELEMS,
-                                                          q_raw + st * Q_ELEMS);
-            transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s + buf * 2 * DO_ELEMS,
-                                                            do_raw + st * DO_ELEMS);
-        }
+        transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s + buf * 2 * Q_ELEMS,
+                                                      q_raw + st * Q_ELEMS);
+        transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s + buf * 2 * DO_ELEMS,
+                                                        do_raw + st * DO_ELEMS);
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
     };
@@ -326,7 +306,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     auto grads = [&](int t, Acc& s, Acc& dp, Frag& p_hi, Frag& p_lo, Frag& ds_hi, Frag& ds_lo,
                      float (&dv_t)[HEAD_DIM_V / 8][4], float (&dk_t)[HEAD_DIM / 8][4]) {
         const long long m0 = m_lo + (long long)t * BLOCK_M;
-        const int st = t & 1, buf = T_BUFS == 2 ? t & 1 : 0;
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n_own, 64);
         const float* lse_t = lse_s + st * BLOCK_M;
         const float* delta_t = delta_s + st * BLOCK_M;
@@ -339,7 +319,6 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         tf32_split_fragments<BLOCK_M>(ds_hi, ds_lo, dp);
         split_product_rs<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, dot_base + buf * 2 * DO_ELEMS * 4,
                                               DO_ELEMS * 4);
-        if constexpr (STAGED) wgmma_commit();  // dV's group, waited on apart
         split_product_rs<HEAD_DIM, BLOCK_M>(dk_t, ds_hi, ds_lo, qt_base + buf * 2 * Q_ELEMS * 4,
                                             Q_ELEMS * 4);
         wgmma_commit();

@@ -436,15 +436,13 @@ def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
 
 #: The sm90_3xtf32 backward's forms (the dispatch table picks one): 32- and 64-key dQ
 #: tiles, the plain and the overlapped forms, one and two warpgroups per block (with two,
-#: the second warpgroup's keys or rows lie past the end in the short cases; overlapped
-#: dK/dV with two is the staged form), over the fused form's band and mask cases and long
-#: ones (many tiles: both raw stages and both transposed buffers refilled many times).
+#: the second warpgroup's keys or rows lie past the end in the short cases), over the fused
+#: form's band and mask cases and long ones (many tiles: both raw stages and both
+#: transposed buffers refilled many times).
 SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32),
                   Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True),
                   Sm90F32BwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2),
-                  Sm90F32BwdTiles(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
-                  Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True,
-                                  dkdv_warpgroups=2, dq_warpgroups=2)]
+                  Sm90F32BwdTiles(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2)]
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES)

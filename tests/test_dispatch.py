@@ -291,11 +291,6 @@ def test_sm90_3xtf32_backward_serves_head_dims_to_64_on_sm90():
     assert (one.dkdv_rows, one.dq_rows, one.threads_dkdv) == (64, 64, 128)
     assert (one.smem_dkdv, one.smem_dq) == ((2 * 64 * 128 + 8 * 32 * 128 + 128) * 4,
                                             (2 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
-    # overlapped dK/dV with two warpgroups: the staged form, one buffer of transposed tiles
-    staged = backward(F32, 64, tiles=d.Sm90F32BwdTiles(32, 32, dkdv_overlap=True,
-                                                       dkdv_warpgroups=2, dq_warpgroups=2))
-    assert staged.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true, 2>"
-    assert staged.smem_dkdv == choice.smem_dkdv
     plain = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64))
     assert plain.dq.endswith(", 64, 64, 64, true, 1, false, 1>") and plain.smem_dq == 224 * 1024
     assert plain.smem_dkdv == (2 * 64 * 128 + 6 * 32 * 128 + 128) * 4

@@ -68,9 +68,8 @@ F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f
 
 G = Sm90F32BwdTiles
 SM90_F32_CANDIDATES = {  # head dim -> tiles: (dK/dV query tile, dQ key tile[, min blocks]);
-    #                       the table's choice first, then the staged two-warpgroup dK/dV
+    #                       the table's choice first
     64: [G(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
-         G(32, 32, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
          G(32, 32, dkdv_overlap=True, dq_overlap=True), G(32, 64), G(32, 32),
          G(32, 64, dkdv_overlap=True), G(32, 32, dq_overlap=True),
          G(32, 32, dkdv_warpgroups=2, dq_warpgroups=2), G(32, 64, dkdv_warpgroups=2)],
