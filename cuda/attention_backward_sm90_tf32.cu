@@ -8,7 +8,7 @@
 //             into hi = tf32(x) (to nearest) and lo = x - hi, and every product is
 //             A_hi B_hi + A_hi B_lo + A_lo B_hi. In the score products (S, dP) the small
 //             terms accumulate apart from hi.hi and join it in float32 (S as the sm90_3xtf32
-//             forward forms it: split_product_ss); the gradient products of each tile (one
+//             forward forms it: stacked_product_ss); the gradient products of each tile (one
 //             query tile for dK/dV, one key tile for dQ) go into fresh accumulators, the
 //             small terms first, that are added to the running gradient in float32, since
 //             the tensor cores' accumulation truncates (tools/emulate_3xtf32.py --backward:
@@ -21,9 +21,10 @@
 //             the contraction permuted within groups of eight) and need dO^T, Q^T and K^T as
 //             B, with the contraction (queries, keys) at tf32_key_position. Each streamed tile
 //             arrives raw by cp.async into one of two stages; after a barrier the block
-//             writes its split hi and lo tiles and its transposed split tiles (transpose_v,
-//             sm90_tiles.cuh, which the forward uses for V^T), so no scratch in global
-//             memory is needed.
+//             writes its split tile (hi rows, then lo rows: the score products read
+//             [X_hi; X_lo] as one B operand of twice the width) and its transposed split
+//             tiles (transpose_v, sm90_tiles.cuh, which the forward uses for V^T), so no
+//             scratch in global memory is needed.
 // Kernels:    attention_bwd_dkdv_sm90_3xtf32: each warpgroup owns 64 keys (warp w: keys 16w
 //             .. 16w + 15 of them) and all columns of dK and dV, K and V split once; the block
 //             walks the query tiles (BLOCK_M rows) of its keys' band.
@@ -50,13 +51,15 @@
 //             (OVERLAP) prepare t + 1 first and wait and add after.
 // Shared mem: dK/dV: (2*64*W*(HEAD_DIM+HEAD_DIM_V) + (4+2*B)*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*2*BLOCK_M)*4 bytes: K and V (hi, lo; per warpgroup), two raw stages of Q and
-//             dO, their split tiles (hi, lo) and B buffers of their transposed split tiles;
+//             dO, their stacked split tiles (hi; lo) and B buffers of their transposed split
+//             tiles;
 //             dQ: (2*64*W*(HEAD_DIM+HEAD_DIM_V) + 4*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*B*BLOCK_N*HEAD_DIM)*4 bytes: Q and dO (hi, lo; per warpgroup), two raw
-//             stages of K and V, their split tiles and B buffers of the transposed split K;
+//             stages of K and V, their stacked split tiles and B buffers of the transposed
+//             split K;
 //             B = 2 with OVERLAP, else 1; W = WARPGROUPS. Every tile in the 128-byte-swizzle
 //             layout (sm90_tiles.cuh) with 32-float column groups, each lo tile right after
-//             its hi tile.
+//             its hi tile (the streamed split tiles: lo rows after hi rows, one tile).
 //             cuattn/_dispatch.py::sm90_f32_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "sm90_tiles.cuh"
@@ -67,58 +70,57 @@ using namespace cuattn::sm90;
 
 namespace {
 
-// The split (hi at `dst`, lo LO floats further on) of a ROWS x COLS raw tile, both laid out
-// by `at`; the block's threads take 16-byte chunks in load_tile's order.
-template <int ROWS, int COLS, int THREADS, int LO, typename At>
-__device__ __forceinline__ void split_tile(float* dst, const float* raw, At at) {
-    for_own_chunks<ROWS, COLS, THREADS, true, float>(at, [&](int off) {
+// The split of a ROWS x COLS raw tile (laid out by Sw128<ROWS, 4>) into one stacked tile of
+// 2 ROWS rows (Sw128<2 ROWS, 4>): hi in rows 0 .. ROWS - 1, lo in rows ROWS .. 2 ROWS - 1,
+// so that one product reads [X_hi; X_lo] as a B operand of twice the width (as the
+// sm90_3xtf32 forward's K stages). The block's threads take 16-byte chunks in load_tile's
+// order; a raw chunk in 32-column group g lands g group-heights of ROWS rows further on.
+template <int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void split_stacked(float* dst, const float* raw) {
+    constexpr int GROUP = ROWS * 32;  // floats of one raw column group
+    static_assert((GROUP & (GROUP - 1)) == 0, "a power-of-two group");
+    for_own_chunks<ROWS, COLS, THREADS, true, float>(Sw128<ROWS, 4>(), [&](int off) {
         const float4 x = *reinterpret_cast<const float4*>(raw + off);
         float4 h, l;
         split_tf32(x.x, h.x, l.x);
         split_tf32(x.y, h.y, l.y);
         split_tf32(x.z, h.z, l.z);
         split_tf32(x.w, h.w, l.w);
-        *reinterpret_cast<float4*>(dst + off) = h;
-        *reinterpret_cast<float4*>(dst + off + LO) = l;
+        const int at = off + (off & ~(GROUP - 1));  // group g: g * 2 GROUP + the same row, chunk
+        *reinterpret_cast<float4*>(dst + at) = h;
+        *reinterpret_cast<float4*>(dst + at + GROUP) = l;
     });
 }
 
-// acc (64 x N) = A B^T by the split, A (64 rows) and B (N rows) K-contiguous tiles in shared
-// memory, each lo tile a_lo / b_lo bytes after its hi tile, with the terms in accumulators
-// of their own: acc = A_hi B_hi, x = A_hi B_lo, y = A_lo B_hi (with SHARED, y is x and the
-// two small terms share it); split_sum then forms acc + (x + y). The large accumulator takes
-// one truncating step per k8 instead of three (the mma_3xtf32 backward measured 1.55x the
-// accuracy bound with all three in one accumulator, 0.61x apart: docs/kernels.rst, tenth
-// session), and for S the sum is the forwards' hh + (hl + lh) over the same k-steps, so
-// that the backward's scores should be the sm90_3xtf32 forward's and their split errors
-// cancel in P = exp(S - lse) (not compared bit for bit; the GPU suite's gradients are
-// within the accuracy rule at 3x, seventeenth session).
+// acc (64 x N) = A B^T by the split, A (64 rows; its lo tile a_lo bytes on) a K-contiguous
+// tile and B the stacked tile [B_hi; B_lo] (split_stacked, 2 N rows) in shared memory: one
+// product of width 2 N gives [A_hi B_hi^T | A_hi B_lo^T] in `wide`, another A_lo B_hi^T in
+// y; stacked_sum then forms hh + (hl + lh), each term in accumulators of its own (the
+// large one takes one truncating step per k8 instead of three: the mma_3xtf32 backward
+// measured 1.55x the accuracy bound with all three in one accumulator, 0.61x apart:
+// docs/kernels.rst, tenth session). For S these are the sm90_3xtf32 forward's products
+// and sum over the same k-steps, so that the backward's scores should be the forward's and
+// their split errors cancel in P = exp(S - lse) (not compared bit for bit; the GPU suite's
+// gradients are within the accuracy rule at 3x). Reading B as one tile of width 2 N, A_hi
+// is read once for two terms: the score products read 2/3 of the shared-memory bytes of A
+// that three products of width N did (eighteenth session).
 // Fences and issues; the caller commits and waits.
-template <int N, int CONTRACT, bool SHARED>
-__device__ __forceinline__ void split_product_ss(float (&acc)[N / 8][4], float (&x)[N / 8][4],
-                                                 float (&y)[N / 8][4], unsigned a_tile,
-                                                 unsigned a_lo, unsigned b_tile, unsigned b_lo) {
+template <int N, int CONTRACT>
+__device__ __forceinline__ void stacked_product_ss(float (&wide)[2 * N / 8][4],
+                                                   float (&y)[N / 8][4], unsigned a_tile,
+                                                   unsigned a_lo, unsigned b_stacked) {
     wgmma_fence();
-    product_ss<N, CONTRACT, float>(acc, a_tile, b_tile);
-    product_ss<N, CONTRACT, float>(x, a_tile, b_tile + b_lo);
-    product_ss<N, CONTRACT, float>(SHARED ? x : y, a_tile + a_lo, b_tile, SHARED);
+    product_ss<2 * N, CONTRACT, float>(wide, a_tile, b_stacked);
+    product_ss<N, CONTRACT, float, 2 * N>(y, a_tile + a_lo, b_stacked);
 }
 
 template <int N8>
-__device__ __forceinline__ void split_sum(float (&acc)[N8][4], const float (&x)[N8][4],
-                                          const float (&y)[N8][4]) {
+__device__ __forceinline__ void stacked_sum(float (&acc)[N8][4], const float (&wide)[2 * N8][4],
+                                            const float (&y)[N8][4]) {
 #pragma unroll
     for (int j = 0; j < N8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = acc[j][e] + (x[j][e] + y[j][e]);
-}
-
-template <int N8>
-__device__ __forceinline__ void split_sum(float (&acc)[N8][4], const float (&x)[N8][4]) {
-#pragma unroll
-    for (int j = 0; j < N8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += x[j][e];
+        for (int e = 0; e < 4; ++e) acc[j][e] = wide[j][e] + (wide[N8 + j][e] + y[j][e]);
 }
 
 // acc (64 x N) = X Z by the split, X given as its hi and lo A fragments
@@ -201,8 +203,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     float* v_s = k_s + WARPGROUPS * 2 * K_ELEMS;       // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
     float* q_raw = v_s + WARPGROUPS * 2 * V_ELEMS;     // [2 stages][BLOCK_M x HEAD_DIM]
     float* do_raw = q_raw + 2 * Q_ELEMS;               // [2 stages][BLOCK_M x HEAD_DIM_V]
-    float* q_s = do_raw + 2 * DO_ELEMS;                // [hi, lo][BLOCK_M x HEAD_DIM]
-    float* do_s = q_s + 2 * Q_ELEMS;                   // [hi, lo][BLOCK_M x HEAD_DIM_V]
+    float* q_s = do_raw + 2 * DO_ELEMS;                // [2 BLOCK_M x HEAD_DIM]: hi; lo rows
+    float* do_s = q_s + 2 * Q_ELEMS;                   // [2 BLOCK_M x HEAD_DIM_V]: hi; lo rows
     float* qt_s = do_s + 2 * DO_ELEMS;                 // [T_BUFS][hi, lo][HEAD_DIM x BLOCK_M]
     float* dot_s = qt_s + T_BUFS * 2 * Q_ELEMS;        // [T_BUFS][hi, lo][HEAD_DIM_V x BLOCK_M]
     float* lse_s = dot_s + T_BUFS * 2 * DO_ELEMS;      // [2 stages][BLOCK_M], log2 units
@@ -277,10 +279,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         __syncthreads();
         if (t + 1 < tiles) request_q(t + 1);
         cp_async_commit();
-        split_tile<BLOCK_M, HEAD_DIM, THREADS, Q_ELEMS>(q_s, q_raw + st * Q_ELEMS,
-                                                        Sw128<BLOCK_M, 4>());
-        split_tile<BLOCK_M, HEAD_DIM_V, THREADS, DO_ELEMS>(do_s, do_raw + st * DO_ELEMS,
-                                                           Sw128<BLOCK_M, 4>());
+        split_stacked<BLOCK_M, HEAD_DIM, THREADS>(q_s, q_raw + st * Q_ELEMS);
+        split_stacked<BLOCK_M, HEAD_DIM_V, THREADS>(do_s, do_raw + st * DO_ELEMS);
         transpose_v<BLOCK_M, HEAD_DIM, THREADS, true>(qt_s + buf * 2 * Q_ELEMS,
                                                       q_raw + st * Q_ELEMS);
         transpose_v<BLOCK_M, HEAD_DIM_V, THREADS, true>(dot_s + buf * 2 * DO_ELEMS,
@@ -288,18 +288,16 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
     };
-    // S^T, dP^T of the prepared tile, each split term apart (S^T: three accumulators, dP^T:
-    // two), summed once they are done
+    // S^T, dP^T of the prepared tile, each split term apart, summed once they are done
     auto scores = [&](Acc& s, Acc& dp) {
-        Acc s_x, s_y, dp_x;
-        split_product_ss<BLOCK_M, HEAD_DIM, false>(s, s_x, s_y, k_base, K_ELEMS * 4, q_base,
-                                                   Q_ELEMS * 4);
-        split_product_ss<BLOCK_M, HEAD_DIM_V, true>(dp, dp_x, dp_x, v_base, V_ELEMS * 4, do_base,
-                                                    DO_ELEMS * 4);
+        float s_w[2 * BLOCK_M / 8][4], dp_w[2 * BLOCK_M / 8][4];
+        Acc s_y, dp_y;
+        stacked_product_ss<BLOCK_M, HEAD_DIM>(s_w, s_y, k_base, K_ELEMS * 4, q_base);
+        stacked_product_ss<BLOCK_M, HEAD_DIM_V>(dp_w, dp_y, v_base, V_ELEMS * 4, do_base);
         wgmma_commit();
         wgmma_wait<0>();
-        split_sum(s, s_x, s_y);
-        split_sum(dp, dp_x);
+        stacked_sum(s, s_w, s_y);
+        stacked_sum(dp, dp_w, dp_y);
     };
     // S^T, dP^T of tile t done: P^T and dS^T, their fragments, and tile t's dV and dK issued
     // into the fresh accumulators (the fragments stay untouched until they are done)
@@ -376,8 +374,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     float* do_s = q_s + WARPGROUPS * 2 * Q_ELEMS;      // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
     float* k_raw = do_s + WARPGROUPS * 2 * DO_ELEMS;   // [2 stages][BLOCK_N x HEAD_DIM]
     float* v_raw = k_raw + 2 * K_ELEMS;                // [2 stages][BLOCK_N x HEAD_DIM_V]
-    float* k_s = v_raw + 2 * V_ELEMS;                  // [hi, lo][BLOCK_N x HEAD_DIM]
-    float* v_s = k_s + 2 * K_ELEMS;                    // [hi, lo][BLOCK_N x HEAD_DIM_V]
+    float* k_s = v_raw + 2 * V_ELEMS;                  // [2 BLOCK_N x HEAD_DIM]: hi; lo rows
+    float* v_s = k_s + 2 * K_ELEMS;                    // [2 BLOCK_N x HEAD_DIM_V]: hi; lo rows
     float* kt_s = v_s + 2 * V_ELEMS;  // [OVERLAP ? 2 : 1][hi, lo][HEAD_DIM x BLOCK_N]
 
     // warpgroup wg owns rows m0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them)
@@ -435,25 +433,22 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         __syncthreads();
         if (t + 1 < tiles) request_kv(t + 1);
         cp_async_commit();
-        split_tile<BLOCK_N, HEAD_DIM, THREADS, K_ELEMS>(k_s, k_raw + st * K_ELEMS,
-                                                        Sw128<BLOCK_N, 4>());
-        split_tile<BLOCK_N, HEAD_DIM_V, THREADS, V_ELEMS>(v_s, v_raw + st * V_ELEMS,
-                                                          Sw128<BLOCK_N, 4>());
+        split_stacked<BLOCK_N, HEAD_DIM, THREADS>(k_s, k_raw + st * K_ELEMS);
+        split_stacked<BLOCK_N, HEAD_DIM_V, THREADS>(v_s, v_raw + st * V_ELEMS);
         transpose_v<BLOCK_N, HEAD_DIM, THREADS, true>(kt_s + buf * 2 * K_ELEMS,
                                                       k_raw + st * K_ELEMS);
         fence_proxy_async();  // visible to the tensor cores ...
         __syncthreads();      // ... once every thread has written its part
     };
     auto scores = [&](Acc& s, Acc& dp) {  // S, dP of the prepared tile, as in dK/dV
-        Acc s_x, s_y, dp_x;
-        split_product_ss<BLOCK_N, HEAD_DIM, false>(s, s_x, s_y, q_base, Q_ELEMS * 4, k_base,
-                                                   K_ELEMS * 4);
-        split_product_ss<BLOCK_N, HEAD_DIM_V, true>(dp, dp_x, dp_x, do_base, DO_ELEMS * 4,
-                                                    v_base, V_ELEMS * 4);
+        float s_w[2 * BLOCK_N / 8][4], dp_w[2 * BLOCK_N / 8][4];
+        Acc s_y, dp_y;
+        stacked_product_ss<BLOCK_N, HEAD_DIM>(s_w, s_y, q_base, Q_ELEMS * 4, k_base);
+        stacked_product_ss<BLOCK_N, HEAD_DIM_V>(dp_w, dp_y, do_base, DO_ELEMS * 4, v_base);
         wgmma_commit();
         wgmma_wait<0>();
-        split_sum(s, s_x, s_y);
-        split_sum(dp, dp_x);
+        stacked_sum(s, s_w, s_y);
+        stacked_sum(dp, dp_w, dp_y);
     };
     // S, dP of tile t done: dS, its fragments, tile t's dQ issued
     auto grads = [&](int t, Acc& s, Acc& dp, Frag& ds_hi, Frag& ds_lo,
