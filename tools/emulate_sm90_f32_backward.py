@@ -5,12 +5,13 @@ checked on the GPU instead).
     PYTHONPATH=. python tools/emulate_sm90_f32_backward.py
 
 Shared memory is a flat float array laid out as the kernels lay it out; tiles are written
-with the kernels' Sw128 offsets, split (hi, lo) as they split them, and transposed with
-transpose_v's thread-to-element mapping. The wgmma operands are read back the way the
-hardware reads a K-major 128-byte-swizzled operand from a descriptor's byte address (rows
-128 bytes apart in 1024-byte groups of eight, address bits 4-6 XOR bits 7-9), which does not
-use Sw128, with TF32 truncation; register A operands are rebuilt from the per-lane fragments
-that tf32_split_fragments makes (the m16n8k8 TF32 A layout). The overlapped schedule's
+with the kernels' Sw128 offsets, split (hi, lo; the streamed tiles stacked, lo rows after hi
+rows) as they split them, and transposed with transpose_v's thread-to-element mapping. The
+wgmma operands are read back the way the hardware reads a K-major 128-byte-swizzled operand
+from a descriptor's byte address (rows 128 bytes apart in 1024-byte groups of eight, address
+bits 4-6 XOR bits 7-9), which does not use Sw128, with TF32 truncation; register A operands
+are rebuilt from the per-lane fragments that tf32_split_fragments makes (the m16n8k8 TF32 A
+layout). The overlapped schedule's
 asynchronous reads happen as late as they may: after the next tile's preparation, and raw
 tiles land as soon as they are requested. Every dK/dV and dQ block of a small problem (no
 mask, no band) runs, and the gradients are compared with reference.py's float64 ones: an
@@ -68,11 +69,17 @@ class Smem:
                 ok = r < src.shape[0] and c < src.shape[1]
                 self.m[base + sw128(rows, r, c)] = src[r, c] if ok else 0.0
 
-    def split_tile(self, dst, raw, rows, cols, lo):  # split_tile (round_own_tf32 if dst == raw)
+    def split_tile(self, dst, raw, rows, cols, lo):  # round_own_tf32 (dst == raw)
         for r in range(rows):
             for c in range(cols):
                 o = sw128(rows, r, c)
                 self.m[dst + o], self.m[dst + o + lo] = split(self.m[raw + o])
+
+    def split_stacked(self, dst, raw, rows, cols):  # split_stacked: hi rows, then lo rows
+        for r in range(rows):
+            for c in range(cols):
+                self.m[dst + sw128(2 * rows, r, c)], self.m[dst + sw128(2 * rows, rows + r, c)] = \
+                    split(self.m[raw + sw128(rows, r, c)])
 
     def transpose(self, vt, vs, rows, cols):  # transpose_v<rows, cols, THREADS, true>
         warps, kb, cg = THREADS // 32, rows // 16, cols // 8
@@ -93,14 +100,16 @@ class Smem:
                         self.m[vt + at], self.m[vt + cols * rows + at] = split(
                             self.m[vs + at_rd + e])
 
-    def product_ss(self, acc, a_tile, b_tile, accumulate):  # product_ss<N, CONTRACT, float>
+    def product_ss(self, acc, a_tile, b_tile, accumulate, b_rows=None):
+        """product_ss<N, CONTRACT, float, B_ROWS>: B the first N rows of a B_ROWS-row tile."""
         n = acc.shape[1]
+        b_rows = b_rows or n
         if not accumulate:
             acc[:] = 0
         for kk in range(64 // 8):  # CONTRACT = the padded head dim, 64
             col = (kk % 4) * 32
             acc += (self.operand(a_tile + (kk // 4) * 64 * 128 + col, 64)
-                    @ self.operand(b_tile + (kk // 4) * n * 128 + col, n).T)
+                    @ self.operand(b_tile + (kk // 4) * b_rows * 128 + col, n).T)
 
     def product_rs(self, acc, a, z_tile, accumulate):  # product_rs_tf32<N, CONTRACT>
         n = acc.shape[1]
@@ -110,12 +119,12 @@ class Smem:
             acc += a[:, 8 * kk:8 * kk + 8] @ self.operand(
                 z_tile + (kk // 4) * n * 128 + (kk % 4) * 32, n).T
 
-    def split_ss(self, acc, a, a_lo, b, b_lo):  # split_product_ss, then split_sum
-        x, y = np.zeros(acc.shape), np.zeros(acc.shape)
-        self.product_ss(acc, a, b, False)
-        self.product_ss(x, a, b + b_lo, False)
-        self.product_ss(y, a + a_lo, b, False)
-        acc += x + y
+    def stacked_ss(self, acc, a, a_lo, b):  # stacked_product_ss, then stacked_sum
+        n = acc.shape[1]
+        wide, y = np.zeros((64, 2 * n)), np.zeros(acc.shape)
+        self.product_ss(wide, a, b, False)
+        self.product_ss(y, a + a_lo, b, False, b_rows=2 * n)
+        acc[:] = wide[:, :n] + (wide[:, n:] + y)
 
     def split_rs(self, acc, frags, z, z_lo):
         hi, lo = frags
@@ -184,8 +193,8 @@ def dkdv_block(q, k, v, dout, lse, delta, n0, scale, overlap, bm=32, hd=64):
         st, buf = t & 1, t & 1 if overlap else 0
         if t + 1 < tiles:
             request(t + 1)
-        sm.split_tile(q_s, q_raw + st * qe, bm, hd, qe)
-        sm.split_tile(do_s, do_raw + st * qe, bm, hd, qe)
+        sm.split_stacked(q_s, q_raw + st * qe, bm, hd)
+        sm.split_stacked(do_s, do_raw + st * qe, bm, hd)
         sm.transpose(qt_s + buf * 2 * qe, q_raw + st * qe, bm, hd)
         sm.transpose(dot_s + buf * 2 * qe, do_raw + st * qe, bm, hd)
 
@@ -197,8 +206,8 @@ def dkdv_block(q, k, v, dout, lse, delta, n0, scale, overlap, bm=32, hd=64):
     for t in range(tiles):
         st, buf = t & 1, t & 1 if overlap else 0
         s, dp = np.zeros((64, bm)), np.zeros((64, bm))
-        sm.split_ss(s, 4 * k_s, 4 * ke, 4 * q_s, 4 * qe)
-        sm.split_ss(dp, 4 * v_s, 4 * ke, 4 * do_s, 4 * qe)
+        sm.stacked_ss(s, 4 * k_s, 4 * ke, 4 * q_s)
+        sm.stacked_ss(dp, 4 * v_s, 4 * ke, 4 * do_s)
         lse_t = sm.m[lse_s + st * bm:lse_s + (st + 1) * bm]
         allowed = ((n0 + np.arange(64))[:, None] < sk) & np.isfinite(lse_t)[None, :]
         p, ds = p_and_ds(s, dp, lse_t[None, :], sm.m[delta_s + st * bm:delta_s + (st + 1) * bm],
@@ -245,8 +254,8 @@ def dq_block(q, k, v, dout, lse, delta, m0, scale, overlap, bn, hd=64):
         st, buf = t & 1, t & 1 if overlap else 0
         if t + 1 < tiles:
             request(t + 1)
-        sm.split_tile(k_s, k_raw + st * ke, bn, hd, ke)
-        sm.split_tile(v_s, v_raw + st * ke, bn, hd, ke)
+        sm.split_stacked(k_s, k_raw + st * ke, bn, hd)
+        sm.split_stacked(v_s, v_raw + st * ke, bn, hd)
         sm.transpose(kt_s + buf * 2 * ke, k_raw + st * ke, bn, hd)
 
     request(0)
@@ -260,8 +269,8 @@ def dq_block(q, k, v, dout, lse, delta, m0, scale, overlap, bn, hd=64):
     for t in range(tiles):
         buf = t & 1 if overlap else 0
         s, dp = np.zeros((64, bn)), np.zeros((64, bn))
-        sm.split_ss(s, 4 * q_s, 4 * qe, 4 * k_s, 4 * ke)
-        sm.split_ss(dp, 4 * do_s, 4 * qe, 4 * v_s, 4 * ke)
+        sm.stacked_ss(s, 4 * q_s, 4 * qe, 4 * k_s)
+        sm.stacked_ss(dp, 4 * do_s, 4 * qe, 4 * v_s)
         allowed = (rows < sq)[:, None] & ((t * bn + np.arange(bn)) < sk)[None, :]
         _, ds = p_and_ds(s, dp, lse_log2, delta_r, allowed, scale)
         frag_ds = fragments(ds)
