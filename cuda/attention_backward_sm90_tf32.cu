@@ -92,37 +92,6 @@ __device__ __forceinline__ void split_stacked(float* dst, const float* raw) {
     });
 }
 
-// acc (64 x N) = A B^T by the split, A (64 rows; its lo tile a_lo bytes on) a K-contiguous
-// tile and B the stacked tile [B_hi; B_lo] (split_stacked, 2 N rows) in shared memory: one
-// product of width 2 N gives [A_hi B_hi^T | A_hi B_lo^T] in `wide`, another A_lo B_hi^T in
-// y; stacked_sum then forms hh + (hl + lh), each term in accumulators of its own (the
-// large one takes one truncating step per k8 instead of three: the mma_3xtf32 backward
-// measured 1.55x the accuracy bound with all three in one accumulator, 0.61x apart:
-// docs/kernels.rst, tenth session). For S these are the sm90_3xtf32 forward's products
-// and sum over the same k-steps, so that the backward's scores should be the forward's and
-// their split errors cancel in P = exp(S - lse) (not compared bit for bit; the GPU suite's
-// gradients are within the accuracy rule at 3x). Reading B as one tile of width 2 N, A_hi
-// is read once for two terms: the score products read 2/3 of the shared-memory bytes of A
-// that three products of width N did (eighteenth session).
-// Fences and issues; the caller commits and waits.
-template <int N, int CONTRACT>
-__device__ __forceinline__ void stacked_product_ss(float (&wide)[2 * N / 8][4],
-                                                   float (&y)[N / 8][4], unsigned a_tile,
-                                                   unsigned a_lo, unsigned b_stacked) {
-    wgmma_fence();
-    product_ss<2 * N, CONTRACT, float>(wide, a_tile, b_stacked);
-    product_ss<N, CONTRACT, float, 2 * N>(y, a_tile + a_lo, b_stacked);
-}
-
-template <int N8>
-__device__ __forceinline__ void stacked_sum(float (&acc)[N8][4], const float (&wide)[2 * N8][4],
-                                            const float (&y)[N8][4]) {
-#pragma unroll
-    for (int j = 0; j < N8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = wide[j][e] + (wide[N8 + j][e] + y[j][e]);
-}
-
 // acc (64 x N) = X Z by the split, X given as its hi and lo A fragments
 // (tf32_split_fragments) and Z^T the N-row tile z_tile (lo z_lo bytes on), K-contiguous in
 // the fragments' order. Fences and issues; the caller commits, waits and keeps the fragments

@@ -147,23 +147,16 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         float s[BLOCK_N / 8][4];
         float s_wide[SPLIT ? 2 * BLOCK_N / 8 : 1][4];
         const unsigned k_tile = k_base + stage * K_ROWS * HEAD_DIM * 4;
-        wgmma_fence();
         if constexpr (SPLIT) {
-            product_ss<2 * BLOCK_N, HEAD_DIM, float>(s_wide, q_base, k_tile);
-            product_ss<BLOCK_N, HEAD_DIM, float, 2 * BLOCK_N>(s, q_base + Q_LO, k_tile);
+            stacked_product_ss<BLOCK_N, HEAD_DIM>(s_wide, s, q_base, Q_LO, k_tile);
         } else {
+            wgmma_fence();
             product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile);
         }
         wgmma_commit();
         transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
         wgmma_wait<0>();
-        if constexpr (SPLIT) {
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[j][e] = s_wide[j][e] + (s_wide[BLOCK_N / 8 + j][e] + s[j][e]);
-        }
+        if constexpr (SPLIT) stacked_sum(s, s_wide, s);
         if constexpr (K_STAGES == 1) {
             __syncthreads();  // every warpgroup's S has read the K tile: refill it
             if (more) request_k(n0 + BLOCK_N, 0);
@@ -634,9 +627,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
     float sc[BLOCK_N / 8][4], s_wide[2 * BLOCK_N / 8][4], pv[DV_TILES][4];
     auto issue_s = [&](int t) {
         const unsigned k_tile = k_base + (t % K_SLOTS) * K_BYTES;
-        wgmma_fence();
-        product_ss<2 * BLOCK_N, HEAD_DIM, float>(s_wide, q_base, k_tile);
-        product_ss<BLOCK_N, HEAD_DIM, float, 2 * BLOCK_N>(sc, q_base + Q_LO, k_tile);
+        stacked_product_ss<BLOCK_N, HEAD_DIM>(s_wide, sc, q_base, Q_LO, k_tile);
     };
     auto issue_pv = [&](int t) {  // into fresh accumulators, the small terms first
         const unsigned vt_tile = v_base + (t % V_SLOTS) * V_BYTES;
@@ -653,11 +644,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
     };
     auto softmax = [&](int t) {  // S(t) done: its K slot is free; scores, row state, P(t)
         if (lane == 0) mbar_arrive(empty_k + 8 * (t % K_SLOTS));
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                sc[j][e] = s_wide[j][e] + (s_wide[BLOCK_N / 8 + j][e] + sc[j][e]);
+        stacked_sum(sc, s_wide, sc);
         const int n0 = n_lo + t * BLOCK_N;
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);

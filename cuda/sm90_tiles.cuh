@@ -10,6 +10,7 @@
 // four warps (wgmma.cuh), so the tensor-core softmax and the backward's element-wise rule
 // run on them unchanged.
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
+//   stacked_product_ss, stacked_sum  the 3xTF32 score product from a stacked [B_hi; B_lo]
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
 //   zero, request_query_tile  accumulators cleared; a dK/dV kernel's query-tile stage (the
@@ -140,6 +141,37 @@ __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_ti
                         sw128_desc(b_tile + (kk / 4) * B_ROWS * 128 + col, 0),
                         accumulate || kk > 0);
     }
+}
+
+// The 3xTF32 score product of the sm90_3xtf32 forward and backward: acc (64 x N) = A B^T by
+// the split, A (64 rows; its lo tile a_lo bytes on) a K-contiguous tile and B the stacked
+// tile [B_hi; B_lo] (2 N rows: lo rows after hi rows) in shared memory. One product of
+// width 2 N gives [A_hi B_hi^T | A_hi B_lo^T] in `wide`, another A_lo B_hi^T in y;
+// stacked_sum then forms hh + (hl + lh), each term in accumulators of its own (the large
+// one takes one truncating step per k8 instead of three: the mma_3xtf32 backward measured
+// 1.55x the accuracy bound with all three in one accumulator, 0.61x apart: docs/kernels.rst,
+// tenth session). The forward's S and the backward's (S, or S^T with the operands'
+// roles swapped) are the same terms summed the same way, so that their split errors cancel
+// in P = exp(S - lse) (not compared bit for bit; the GPU suite's gradients are within the
+// accuracy rule at 3x). A_hi is read once for two terms: 2/3 of the shared-memory bytes of
+// A that three products of width N read (eighteenth session).
+// Fences and issues; the caller commits and waits.
+template <int N, int CONTRACT>
+__device__ __forceinline__ void stacked_product_ss(float (&wide)[2 * N / 8][4],
+                                                   float (&y)[N / 8][4], unsigned a_tile,
+                                                   unsigned a_lo, unsigned b_stacked) {
+    wgmma_fence();
+    product_ss<2 * N, CONTRACT, float>(wide, a_tile, b_stacked);
+    product_ss<N, CONTRACT, float, 2 * N>(y, a_tile + a_lo, b_stacked);
+}
+
+template <int N8>
+__device__ __forceinline__ void stacked_sum(float (&acc)[N8][4], const float (&wide)[2 * N8][4],
+                                            const float (&y)[N8][4]) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = wide[j][e] + (wide[N8 + j][e] + y[j][e]);
 }
 
 // Pins accumulator values where they stand: their definitions above (zeroing, say) may not
