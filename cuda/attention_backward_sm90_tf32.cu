@@ -82,10 +82,7 @@ __device__ __forceinline__ void split_stacked(float* dst, const float* raw) {
     for_own_chunks<ROWS, COLS, THREADS, true, float>(Sw128<ROWS, 4>(), [&](int off) {
         const float4 x = *reinterpret_cast<const float4*>(raw + off);
         float4 h, l;
-        split_tf32(x.x, h.x, l.x);
-        split_tf32(x.y, h.y, l.y);
-        split_tf32(x.z, h.z, l.z);
-        split_tf32(x.w, h.w, l.w);
+        split_tf32(x, h, l);
         const int at = off + (off & ~(GROUP - 1));  // group g: g * 2 GROUP + the same row, chunk
         *reinterpret_cast<float4*>(dst + at) = h;
         *reinterpret_cast<float4*>(dst + at + GROUP) = l;

@@ -96,6 +96,13 @@ __device__ __forceinline__ void split_tf32(float x, float& hi, float& lo) {
     hi = __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
     lo = x - hi;
 }
+// split_tf32 of a 16-byte chunk
+__device__ __forceinline__ void split_tf32(const float4& x, float4& hi, float4& lo) {
+    split_tf32(x.x, hi.x, lo.x);
+    split_tf32(x.y, hi.y, lo.y);
+    split_tf32(x.z, hi.z, lo.z);
+    split_tf32(x.w, hi.w, lo.w);
+}
 
 // element offset of (row, col) in a swizzled tile of COLS columns (COLS % 64 == 0)
 template <int COLS>
@@ -227,10 +234,7 @@ __device__ __forceinline__ void round_own_tf32(float* tile, At at) {
         const float4 x = *c;
         float4 h, l;
         if constexpr (SPLIT) {
-            split_tf32(x.x, h.x, l.x);
-            split_tf32(x.y, h.y, l.y);
-            split_tf32(x.z, h.z, l.z);
-            split_tf32(x.w, h.w, l.w);
+            split_tf32(x, h, l);
             c[LO / 4] = l;
         } else {
             h.x = __uint_as_float(to_tf32(x.x));

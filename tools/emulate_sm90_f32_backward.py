@@ -11,13 +11,12 @@ wgmma operands are read back the way the hardware reads a K-major 128-byte-swizz
 from a descriptor's byte address (rows 128 bytes apart in 1024-byte groups of eight, address
 bits 4-6 XOR bits 7-9), which does not use Sw128, with TF32 truncation; register A operands
 are rebuilt from the per-lane fragments that tf32_split_fragments makes (the m16n8k8 TF32 A
-layout). The overlapped schedule's
-asynchronous reads happen as late as they may: after the next tile's preparation, and raw
-tiles land as soon as they are requested. Every dK/dV and dQ block of a small problem (no
-mask, no band) runs, and the gradients are compared with reference.py's float64 ones: an
-error near float32 rounding means the kernels' offsets, buffers, permutations and schedule
-agree with the hardware's reading; a wrong buffer, lo offset or key permutation gives errors
-of the order of the gradients themselves.
+layout). The overlapped schedule's asynchronous reads happen as late as they may: after the
+next tile's preparation, and raw tiles land as soon as they are requested. Every dK/dV and
+dQ block of a small problem (no mask, no band) runs, and the gradients are compared with
+reference.py's float64 ones: an error near float32 rounding means the kernels' offsets,
+buffers, permutations and schedule agree with the hardware's reading; a wrong buffer, lo
+offset or key permutation gives errors of the order of the gradients themselves.
 """
 import numpy as np
 
@@ -69,11 +68,11 @@ class Smem:
                 ok = r < src.shape[0] and c < src.shape[1]
                 self.m[base + sw128(rows, r, c)] = src[r, c] if ok else 0.0
 
-    def split_tile(self, dst, raw, rows, cols, lo):  # round_own_tf32 (dst == raw)
+    def split_own(self, tile, rows, cols, lo):  # round_own_tf32 with SPLIT: lo `lo` floats on
         for r in range(rows):
             for c in range(cols):
                 o = sw128(rows, r, c)
-                self.m[dst + o], self.m[dst + o + lo] = split(self.m[raw + o])
+                self.m[tile + o], self.m[tile + o + lo] = split(self.m[tile + o])
 
     def split_stacked(self, dst, raw, rows, cols):  # split_stacked: hi rows, then lo rows
         for r in range(rows):
@@ -199,8 +198,8 @@ def dkdv_block(q, k, v, dout, lse, delta, n0, scale, overlap, bm=32, hd=64):
         sm.transpose(dot_s + buf * 2 * qe, do_raw + st * qe, bm, hd)
 
     request(0)
-    sm.split_tile(k_s, k_s, 64, hd, ke)
-    sm.split_tile(v_s, v_s, 64, hd, ke)
+    sm.split_own(k_s, 64, hd, ke)
+    sm.split_own(v_s, 64, hd, ke)
     dk, dv = np.zeros((64, hd)), np.zeros((64, hd))
     prepare(0)
     for t in range(tiles):
@@ -259,8 +258,8 @@ def dq_block(q, k, v, dout, lse, delta, m0, scale, overlap, bn, hd=64):
         sm.transpose(kt_s + buf * 2 * ke, k_raw + st * ke, bn, hd)
 
     request(0)
-    sm.split_tile(q_s, q_s, 64, hd, qe)
-    sm.split_tile(do_s, do_s, 64, hd, qe)
+    sm.split_own(q_s, 64, hd, qe)
+    sm.split_own(do_s, 64, hd, qe)
     rows = m0 + np.arange(64)
     lse_log2 = np.where(rows < sq, lse[np.minimum(rows, sq - 1)] * LOG2E, -np.inf)[:, None]
     delta_r = np.where(rows < sq, delta[np.minimum(rows, sq - 1)], 0)[:, None]
