@@ -398,10 +398,36 @@ SM90_3XTF32_TILES = (
 )
 
 
-def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
+def side_pitch(itemsize: int, cols: int) -> int:
+    """Row pitch in bytes of a staged mask or bias tile of ``cols`` elements (mma_tiles.cuh
+    side_pitch: its 16-byte chunks, one more for a misaligned start)."""
+    return 16 * (cols * itemsize // 16 + 1)
+
+
+def side_bytes(rows: int, cols: int, has_mask: bool, bias_itemsize: int) -> int:
+    """Shared memory of one stage of a kernel's mask and bias tiles (rows x cols elements;
+    bias_itemsize 0: no bias)."""
+    return rows * ((side_pitch(1, cols) if has_mask else 0)
+                   + (side_pitch(bias_itemsize, cols) if bias_itemsize else 0))
+
+
+#: shared memory of an sm_90 SM (228 KB), of which each resident block also takes 1 KB
+SM90_SMEM_PER_SM = 233472
+
+
+def _resident_cap(min_blocks: int, smem: int) -> int:
+    """A kernel's register cap for ``min_blocks`` blocks per SM buys only as many blocks as
+    their shared memory lets in together (a staged mask or bias can lower that): the
+    smaller of the two, at least 1."""
+    return max(1, min(min_blocks, SM90_SMEM_PER_SM // (smem + 1024)))
+
+
+def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: bool = False,
+                    bias_itemsize: int = 0) -> int:
     """Dynamic shared memory of attention_fwd_sm90 (16-bit elements; see the .cu header):
-    Q and tiles.stages stages of K and of V."""
-    return (tiles.block_m * head_dim + tiles.stages * tiles.block_n * (head_dim + head_dim_v)) * 2
+    Q and tiles.stages stages of K and of V, and of the mask and bias tiles."""
+    return ((tiles.block_m * head_dim + tiles.stages * tiles.block_n * (head_dim + head_dim_v)) * 2
+            + tiles.stages * side_bytes(tiles.block_m, tiles.block_n, has_mask, bias_itemsize))
 
 
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
@@ -439,7 +465,8 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in table if head <= max_d)
     split = family == "sm90_3xtf32"
-    smem_of = ((lambda t: sm90_smem_bytes(t, hd, hdv)) if family == "sm90"
+    bias_size = 0 if bias_dtype is None else np.dtype(bias_dtype).itemsize
+    smem_of = ((lambda t: sm90_smem_bytes(t, hd, hdv, has_mask, bias_size)) if family == "sm90"
                else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
     tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
                              f"head dims {head_dim}, {head_dim_v}")
@@ -448,6 +475,7 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
     tail = f"{str(aligned).lower()}, {tiles.min_blocks}>"
     layout = Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1)
     if family == "sm90":  # the 16-bit kernel takes T
+        tail = f"{str(aligned).lower()}, {_resident_cap(tiles.min_blocks, smem)}>"
         expr = f"attention_fwd_sm90<{c_type_name(call_dtype)}, {common}{tiles.stages}, {tail}"
         return KernelChoice(family, "attention_sm90.cu", expr, layout, hd, hdv, smem,
                             threads=tiles.num_warps * 32)
@@ -941,16 +969,20 @@ SM90_BACKWARD_TILES = (
 )
 
 
-def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90, or of
-    attention_bwd_sm90_fused (and 0)."""
+def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: bool = False,
+                             bias_itemsize: int = 0) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90 (with
+    their staged mask and bias tiles), or of attention_bwd_sm90_fused (and 0)."""
     if tiles.fused:
         bm = tiles.block_m
         return (128 * (hd + hdv) + 3 * bm * (hd + hdv) + bm * 128) * 2 + 3 * 2 * bm * 4, 0
     dkdv_stages = 3 if tiles.dkdv_overlap else 2
+    dq_stages = 3 if tiles.dq_overlap else 2
     dkdv = ((64 * (hd + hdv) + dkdv_stages * tiles.block_m * (hd + hdv)) * 2
-            + dkdv_stages * 2 * tiles.block_m * 4)
-    dq = (64 + (3 if tiles.dq_overlap else 2) * tiles.block_n) * (hd + hdv) * 2
+            + dkdv_stages * 2 * tiles.block_m * 4
+            + dkdv_stages * side_bytes(tiles.block_m, 64, has_mask, bias_itemsize))
+    dq = ((64 + dq_stages * tiles.block_n) * (hd + hdv) * 2
+          + dq_stages * side_bytes(64, tiles.block_n, has_mask, bias_itemsize))
     return dkdv, dq
 
 
@@ -966,7 +998,9 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
         # and a bias both its D64 and D128 forms ran 2-3 % slower (session 18), their
         # instances spilling more (D128: 168 / 228 bytes against 68 / 108)
         candidates = tuple(replace(c, dkdv_stats_ahead=False) for c in candidates)
-    tiles, smem = _first_fit(candidates, lambda t: sm90_backward_smem_bytes(t, hd, hdv),
+    bias_size = 0 if bias_dtype is None else np.dtype(bias_dtype).itemsize
+    tiles, smem = _first_fit(candidates,
+                             lambda t: sm90_backward_smem_bytes(t, hd, hdv, has_mask, bias_size),
                              smem_limit, "sm90 backward", f"head dims {head_dim}, {head_dim_v}")
     t = c_type_name(dtype)
     g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
@@ -982,10 +1016,10 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     return BackwardChoice(
         "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}"
+        f"{_resident_cap(tiles.dkdv_min_blocks, smem[0])}, {str(tiles.dkdv_overlap).lower()}"
         f"{', true' if tiles.dkdv_stats_ahead else ''}>",
         f"attention_bwd_dq_sm90<{t}, {g_q}, {flags}, {tiles.block_n}, {al}, "
-        f"{tiles.dq_min_blocks}, {str(tiles.dq_overlap).lower()}>",
+        f"{_resident_cap(tiles.dq_min_blocks, smem[1])}, {str(tiles.dq_overlap).lower()}>",
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
 
 

@@ -83,20 +83,18 @@ __device__ __forceinline__ void p_and_ds(A& s, A& dp, const AttnParams& p, const
 // units) and delta. As the forward's mask_scores: softcap and the interior test are decided
 // once per tile, and a boundary tile turns the sequences and the band into two 32-bit limits
 // per row, relative to the lane's first column.
-template <bool HAS_MASK, bool KEYS_ARE_ROWS, int N8, typename BiasT, typename Stat>
+// The mask and bias come as views (common.cuh): the arrays in global memory, or this
+// tile's staged in shared memory.
+template <bool HAS_MASK, bool KEYS_ARE_ROWS, int N8, typename BiasT, typename Stat,
+          typename MaskV, typename BiasV>
 __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8][4],
                                               const AttnParams& p, const ScoreConsts<float>& k,
                                               long long row0, long long col0, int lane,
-                                              bool interior, const unsigned char* mask,
-                                              const BiasT* bias, const Stat& stat) {
+                                              bool interior, const MaskV& mask,
+                                              const BiasV& bias, const Stat& stat) {
     constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
     constexpr int COLS = 8 * N8;
     const long long c0 = col0 + 2 * (lane % 4), off = p.seqlen_k - p.seqlen_q;
-    // mask and bias strides along the accumulator's rows and columns
-    const long long m_row = KEYS_ARE_ROWS ? p.mask_s.col : p.mask_s.row;
-    const long long m_col = KEYS_ARE_ROWS ? p.mask_s.row : p.mask_s.col;
-    const long long b_row = KEYS_ARE_ROWS ? p.bias_s.col : p.bias_s.row;
-    const long long b_col = KEYS_ARE_ROWS ? p.bias_s.row : p.bias_s.col;
     int lo[2] = {-1, -1}, hi[2] = {COLS + 1, COLS + 1};
     const unsigned char* mask_row[2];  // the mask and bias at (row h, column c0)
     const BiasT* bias_row[2];
@@ -114,8 +112,12 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
                 bool allowed = true;
                 if constexpr (!ALL) {
                     allowed = interior || (x >= lo[h] && x < hi[h]);
-                    if constexpr (HAS_MASK)
-                        if (allowed) allowed = mask_row[h][x * m_col] != 0;
+                    if constexpr (HAS_MASK) {
+                        if constexpr (MaskV::safe())  // a load for every element, then a select
+                            allowed = allowed & (mask_row[h][mask.step(x)] != 0);
+                        else if (allowed)
+                            allowed = mask_row[h][mask.step(x)] != 0;
+                    }
                 }
                 const float2 st = stat(j, e);  // lse (log2 units), delta
                 if constexpr (!ALL) allowed = allowed && st.x != neg_inf<float>();
@@ -127,8 +129,14 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
                 } else {
                     y = ALL ? fmaf(s[j][e], k.scale_log2, -st.x) : s[j][e] * k.scale_log2;
                 }
-                if constexpr (HAS_BIAS)
-                    if (allowed) y += to_acc(bias_row[h][x * b_col]) * float(LOG2E);
+                if constexpr (HAS_BIAS) {
+                    if constexpr (BiasV::safe()) {
+                        const float add = to_acc(bias_row[h][bias.step(x)]) * float(LOG2E);
+                        y += allowed ? add : 0.f;
+                    } else if (allowed) {
+                        y += to_acc(bias_row[h][bias.step(x)]) * float(LOG2E);
+                    }
+                }
                 const float prob = ALL ? fast_exp2(y) : allowed ? fast_exp2(y - st.x) : 0.f;
                 s[j][e] = prob;
                 dp[j][e] = allowed ? prob * (dp[j][e] - st.y) * dcap : 0.f;
@@ -144,8 +152,8 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long r = row0 + lane / 4 + 8 * h;
-        if constexpr (HAS_MASK) mask_row[h] = mask + r * m_row + c0 * m_col;
-        if constexpr (HAS_BIAS) bias_row[h] = bias + r * b_row + c0 * b_col;
+        if constexpr (HAS_MASK) mask_row[h] = mask.at(r, c0);
+        if constexpr (HAS_BIAS) bias_row[h] = bias.at(r, c0);
         if (interior) continue;
         long long a = -1, z;
         if (KEYS_ARE_ROWS) {  // key r, queries c0 + x: r + off - right <= q <= r + off + left
@@ -164,6 +172,22 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
         pass(Bool<true>(), Bool<false>());
     else
         pass(Bool<false>(), Bool<false>());
+}
+
+// The same with the mask and bias read from global memory (strides swapped where the
+// accumulator's rows are keys).
+template <bool HAS_MASK, bool KEYS_ARE_ROWS, int N8, typename BiasT, typename Stat>
+__device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8][4],
+                                              const AttnParams& p, const ScoreConsts<float>& k,
+                                              long long row0, long long col0, int lane,
+                                              bool interior, const unsigned char* mask,
+                                              const BiasT* bias, const Stat& stat) {
+    const GlobalView<unsigned char> mv{mask, KEYS_ARE_ROWS ? p.mask_s.col : p.mask_s.row,
+                                       KEYS_ARE_ROWS ? p.mask_s.row : p.mask_s.col};
+    const GlobalView<BiasT> bv{bias, KEYS_ARE_ROWS ? p.bias_s.col : p.bias_s.row,
+                               KEYS_ARE_ROWS ? p.bias_s.row : p.bias_s.col};
+    p_and_ds_tile<HAS_MASK, KEYS_ARE_ROWS, N8, BiasT>(s, dp, p, k, row0, col0, lane, interior,
+                                                      mv, bv, stat);
 }
 
 // Write a warp's 16 x (8*COLS8) float accumulator tile of a tensor-core backward (m16n8

@@ -128,6 +128,38 @@ template <typename X> constexpr bool is_same_v<X, X> = true;
 template <bool B> struct Bool { static constexpr bool value = B; };  // a flag as a type
 __device__ __forceinline__ float to_acc(NoBias) { return 0.f; }
 
+// ---- where the element-wise passes read a mask or a bias -----------------------------
+// mask_scores (mma_softmax.cuh) and p_and_ds_tile (backward.cuh) read element (r, c) of a
+// mask or bias, r a row and c a column of the accumulator tile (rows are queries, or keys
+// in the dK/dV kernels), through a view: at(r, c) points at the element, at(r, c) + step(x)
+// at (r, c + x).
+// GlobalView: the array itself in global memory, strides along the accumulator's rows and
+// columns (its own row and column strides, swapped where rows are keys).
+// safe(): every (r, c) of the tile may be read, allowed or not (a staged tile), so the passes
+// load unconditionally and select, instead of branching around each load.
+template <typename E> struct GlobalView {
+    static constexpr bool safe() { return false; }
+    const E* ptr;
+    long long row, col;
+    __device__ const E* at(long long r, long long c) const { return ptr + r * row + c * col; }
+    __device__ long long step(int x) const { return x * col; }
+};
+// TileView: a tile staged in shared memory by stage_side_tile (mma_tiles.cuh): query q0 + i
+// in row i, `pitch` bytes apart (0: one row serves every query, for an array whose row
+// stride is 0), key k0 + j at byte j * sizeof(E) past `tile` (the stage plus the tile's
+// shift). KEYS_ARE_ROWS: the accumulator's rows are keys and its columns queries.
+template <typename E, bool KEYS_ARE_ROWS> struct TileView {
+    static constexpr bool safe() { return true; }
+    const unsigned char* tile;
+    long long q0, k0;
+    int pitch;  // a multiple of sizeof(E)
+    __device__ const E* at(long long r, long long c) const {
+        const long long q = KEYS_ARE_ROWS ? c : r, k = KEYS_ARE_ROWS ? r : c;
+        return reinterpret_cast<const E*>(tile + (q - q0) * pitch) + (k - k0);
+    }
+    __device__ int step(int x) const { return KEYS_ARE_ROWS ? x * (pitch / (int)sizeof(E)) : x; }
+};
+
 // ---- attention parameter block ------------------------------------------------------
 // Passed by value. Every field is 8 bytes so that the C++ layout and the NumPy structured
 // dtype in cuattn/_kernels.py agree without padding rules. Pointers are device addresses

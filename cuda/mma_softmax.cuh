@@ -38,11 +38,12 @@ __device__ __forceinline__ bool forward_tile_interior(const AttnParams& p, long 
 // Rows at or beyond seqlen_q are never stored, so they need no masking; with a mask or bias
 // they are masked all the same, which keeps those reads in bounds. Softcap and the band are
 // decided once per tile (uniform branches), not per element.
-template <int BLOCK_N, bool HAS_MASK, typename BiasT, typename A>
+// The mask and bias come as views (common.cuh): the arrays in global memory, or the tiles
+// of this key tile staged in shared memory.
+template <int BLOCK_N, bool HAS_MASK, typename BiasT, typename A, typename MaskV, typename BiasV>
 __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParams& p,
                                             long long row0, long long col0, int lane,
-                                            bool interior, const unsigned char* mask,
-                                            const BiasT* bias) {
+                                            bool interior, const MaskV& mask, const BiasV& bias) {
     constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
     const A scale_log2 = A(p.scale * LOG2E);
     const A softcap = A(p.softcap);
@@ -71,8 +72,8 @@ __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParam
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long r = row0 + lane / 4 + 8 * h;
-        if constexpr (HAS_MASK) mask_row[h] = mask + r * p.mask_s.row + c0 * p.mask_s.col;
-        if constexpr (HAS_BIAS) bias_row[h] = bias + r * p.bias_s.row + c0 * p.bias_s.col;
+        if constexpr (HAS_MASK) mask_row[h] = mask.at(r, c0);
+        if constexpr (HAS_BIAS) bias_row[h] = bias.at(r, c0);
         long long a = -1, z = BLOCK_N + 1;
         if (!interior) {
             z = p.seqlen_k - c0;
@@ -89,13 +90,34 @@ __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParam
         for (int e = 0; e < 4; ++e) {
             const int x = 8 * j + e % 2, h = e / 2;
             bool allowed = x >= lo[h] && x < hi[h];
-            if constexpr (HAS_MASK)
-                if (allowed) allowed = mask_row[h][x * p.mask_s.col] != 0;
-            if constexpr (HAS_BIAS)
-                if (allowed) s[j][e] += A(to_acc(bias_row[h][x * p.bias_s.col])) * A(LOG2E);
+            if constexpr (HAS_MASK) {
+                if constexpr (MaskV::safe())  // a load for every element, then a select
+                    allowed = allowed & (mask_row[h][mask.step(x)] != 0);
+                else if (allowed)
+                    allowed = mask_row[h][mask.step(x)] != 0;
+            }
+            if constexpr (HAS_BIAS) {
+                if constexpr (BiasV::safe()) {
+                    const A add = A(to_acc(bias_row[h][bias.step(x)])) * A(LOG2E);
+                    s[j][e] += allowed ? add : A(0);
+                } else if (allowed) {
+                    s[j][e] += A(to_acc(bias_row[h][bias.step(x)])) * A(LOG2E);
+                }
+            }
             if (!allowed) s[j][e] = neg_inf<A>();
         }
     return A(1);
+}
+
+// The same with the mask and bias read from global memory.
+template <int BLOCK_N, bool HAS_MASK, typename BiasT, typename A>
+__device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParams& p,
+                                            long long row0, long long col0, int lane,
+                                            bool interior, const unsigned char* mask,
+                                            const BiasT* bias) {
+    return mask_scores<BLOCK_N, HAS_MASK, BiasT>(
+        s, p, row0, col0, lane, interior, GlobalView<unsigned char>{mask, p.mask_s.row, p.mask_s.col},
+        GlobalView<BiasT>{bias, p.bias_s.row, p.bias_s.col});
 }
 
 // The exp2 of the softmax. float: exp2f (MUFU.EX2). double: exp2_lanes (common.cuh), whose

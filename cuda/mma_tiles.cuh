@@ -216,6 +216,63 @@ __device__ __forceinline__ void for_own_chunks(At at, F f) {
     }
 }
 
+// A mask or bias tile for the element-wise passes (TileView, common.cuh): queries q0 ..
+// q0 + ROWS - 1 (row i at dst + i * PITCH) and keys k0 .. k0 + COLS - 1 of the array whose
+// element (q0, k0) is at src (strides in elements), for an array of unit column stride
+// whose rows lie 16 bytes apart (side_staged): cp.async copies each row in 16-byte chunks
+// from the aligned chunk that holds its first element, so the tile's elements start
+// `shift` = src % 16 bytes into each row (the same for every row and, since k0 steps by
+// whole chunks, every tile: side_shift). Chunks past the last key (nrows, ncols: what is
+// left of the array from (q0, k0)) are zero-filled, rows past the last query not copied
+// (never read). An array of row stride 0 (a key-padding mask) gives one row (the view's
+// pitch 0: side_view_pitch), so that a whole grid's copies do not converge on one L2
+// line. Every byte read shares an aligned 16-byte chunk with an element of the array, so
+// no read leaves the array's pages. The caller commits the cp.async group and orders the
+// tile before its reads (cp_async_wait, barrier).
+// Row pitch of a staged tile of COLS elements: its chunks, one more for a misaligned start.
+template <typename E, int COLS> constexpr int side_pitch() {
+    return 16 * ((COLS * (int)sizeof(E)) / 16 + 1);
+}
+template <int ROWS, int COLS, int PITCH, int THREADS, typename E>
+__device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src,
+                                                long long row_stride, long long nrows,
+                                                long long ncols) {
+    constexpr int CHUNKS = (COLS * (int)sizeof(E)) / 16 + 1;  // with a misaligned start
+    static_assert(PITCH % 16 == 0 && PITCH >= 16 * CHUNKS, "room for the chunks of a row");
+    const int shift = (int)(reinterpret_cast<unsigned long long>(src) & 15);
+    const char* base = reinterpret_cast<const char*>(src) - shift;
+    const int rows = row_stride == 0 ? 1 : (int)(nrows < ROWS ? nrows : ROWS);
+    const int bytes = (int)((ncols < COLS ? ncols : COLS) * (long long)sizeof(E)) + shift;
+#pragma unroll
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = idx % CHUNKS * 16;
+        if (r >= rows) break;  // idx grows with r
+        const int n = max(0, min(16, bytes - c));
+        const unsigned d = smem_addr(dst + r * PITCH + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d),
+                     "l"(n > 0 ? base + r * row_stride * (long long)sizeof(E) + c : base), "r"(n));
+    }
+}
+
+// Whether the passes read this mask or bias from staged tiles: unit column stride, rows 16
+// bytes apart (or the same row for every query). Other layouts are read where they lie
+// (GlobalView), as the families without staging do.
+template <typename E>
+__device__ __forceinline__ bool side_staged(long long row_stride, long long col_stride) {
+    return col_stride == 1 && row_stride * (long long)sizeof(E) % 16 == 0;
+}
+
+// The offset of a staged tile's elements in its rows (the view's tile = stage + shift).
+template <typename E>
+__device__ __forceinline__ int side_shift(const E* src) {
+    return (int)(reinterpret_cast<unsigned long long>(src) & 15);
+}
+
+// The pitch of a staged tile's view: PITCH, or 0 where one row serves every query.
+__device__ __forceinline__ int side_view_pitch(int pitch, long long row_stride) {
+    return row_stride == 0 ? 0 : pitch;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, poison, to_host
-from _gpu_matrix import combos, shape_params
+from _gpu_matrix import SIDE_LAYOUTS, SIDE_SHAPES, combos, shape_params, side_layout
 from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
@@ -95,6 +95,21 @@ def test_features(family, dtype, feature, sq, sk):
     q, k, v = _rand(rng, (2, 3, sq, d), dtype), _rand(rng, (2, 3, sk, d), dtype), \
         _rand(rng, (2, 3, sk, d), dtype)
     _check(family, q, k, v, **FEATURES[feature](rng, sq, sk))
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+@pytest.mark.parametrize("layout", SIDE_LAYOUTS)
+@pytest.mark.parametrize("sq,sk", SIDE_SHAPES)
+def test_mask_and_bias_layouts(family, dtype, layout, sq, sk):
+    """Masks and biases staged by 16-byte copies at and off a 16-byte boundary, and one
+    loaded element by element (the sm90 kernels' two paths; the others read them in place)."""
+    rng = np.random.default_rng(sq + sk + SIDE_LAYOUTS.index(layout))
+    host, dev = side_layout(layout, rng, sq, sk, dtype)
+    q, k, v = (_rand(rng, (2, 3, s, 64), dtype) for s in (sq, sk, sk))
+    kw = FAMILY_KW.get(family, {})
+    got, _ = _run(family, q, k, v, **kw, **dev)
+    ref, _ = attention_reference(q, k, v, **kw, **host)
+    assert_accurate(got, ref, naive_attention(q, k, v, **kw, **host))
 
 
 #: the portable family's warp-tiled form (attention_fwd_portable_warps), forced through its

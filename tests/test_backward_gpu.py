@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 from _accuracy import assert_accurate, to_host
-from _gpu_matrix import DTYPES, combos, shape_params
+from _gpu_matrix import DTYPES, SIDE_LAYOUTS, SIDE_SHAPES, combos, shape_params, side_layout
 from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
@@ -111,6 +111,24 @@ def test_features(family, dtype, feature, sq, sk):
         kw["bias"] = kw["bias"].astype(dtype)
     _check(family, _rand(rng, (2, 3, sq, 64), dtype), _rand(rng, (2, 3, sk, 64), dtype),
            _rand(rng, (2, 3, sk, 64), dtype), rng, **kw)
+
+
+@pytest.mark.parametrize("family,dtype", COMBOS)
+@pytest.mark.parametrize("layout", SIDE_LAYOUTS)
+@pytest.mark.parametrize("sq,sk", SIDE_SHAPES)
+def test_mask_and_bias_layouts(family, dtype, layout, sq, sk):
+    """Masks and biases staged by 16-byte copies at and off a 16-byte boundary, and one
+    loaded element by element (the sm90 kernels' two paths; the others read them in place)."""
+    rng = np.random.default_rng(sq + sk + SIDE_LAYOUTS.index(layout))
+    host, dev = side_layout(layout, rng, sq, sk, dtype)
+    q, k, v = (_rand(rng, (2, 3, s, 64), dtype) for s in (sq, sk, sk))
+    kw = _family_kw(family, dtype)
+    dout = rng.standard_normal((2, 3, sq, 64)).astype(dtype)
+    got = _backward(family, dout, q, k, v, **kw, **dev)
+    want = attention_backward_reference(dout, q, k, v, **kw, **host)
+    naive = naive_attention_backward(dout, q, k, v, **kw, **host)
+    for name, g, w, n in zip("qkv", got, want, naive):
+        assert_accurate(g, w, n, factor=3.0, what=f"d{name}")
 
 
 #: backward families that serve float32 with precision="tf32"

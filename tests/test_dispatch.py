@@ -146,7 +146,11 @@ def test_sm90_instances_and_shared_memory():
     two = d._sm90("sm90", F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
     assert two.name_expression == (
         "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, 2, false, 1>")
-    assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128)
+    # with a mask, each stage also holds its 128 x 128 mask tile, rows 144 bytes apart (the
+    # chunks of 128 keys and one more for a start off a 16-byte boundary)
+    assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128) + 2 * 128 * 144
+    biased = d._sm90("sm90", F16, 64, 64, np.float32, True, True, 232448, d.Sm90Tiles(64, 64))
+    assert biased.shared_mem == 2 * (64 * 64 + 2 * 64 * 128) + 2 * 64 * (80 + 272)
     three = d._sm90("sm90", F16, 64, 64, None, False, True, 232448, d.Sm90Tiles(64, 64, 3, 4))
     assert three.name_expression.endswith("64, 64, 64, 1, 4, true, 3>")
     assert three.shared_mem == 2 * (64 * 64 + 4 * 64 * 128)
