@@ -38,6 +38,9 @@ class Case:
     precision: str | None = None
     n: int = 0
     direction: str = "fwd"    # "fwd" or "bwd" (attention only)
+    #: "mask": a bool mask (B, 1, S, S), about 90 % True; "bias": a float bias (1, 1, S, S)
+    #: of the inputs' dtype; both given to PyTorch's SDPA as its attn_mask
+    side: str | None = None
 
     @property
     def label(self) -> str:
@@ -45,6 +48,7 @@ class Case:
             return f"vector_add n=2^{int(math.log2(self.n))} {self.dtype}"
         extra = (" causal" if self.causal else "")
         extra += f" {self.precision}" if self.precision else ""
+        extra += f" {self.side}" if self.side else ""
         extra += " bwd" if self.direction == "bwd" else ""
         return (f"B{self.batch} H{self.heads} S{self.seqlen} D{self.head_dim} "
                 f"{self.dtype}{extra}")
@@ -72,10 +76,10 @@ class Result:
 
 
 def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,),
-                directions=("fwd",)):
-    return [Case(suite, "attention", dt, b, h, s, d, c, p, direction=di)
+                directions=("fwd",), sides=(None,)):
+    return [Case(suite, "attention", dt, b, h, s, d, c, p, direction=di, side=sd)
             for di in directions for (b, h, s, d) in shapes
-            for dt in dtypes for c in causals for p in precisions]
+            for dt in dtypes for sd in sides for c in causals for p in precisions]
 
 
 def _train_shapes():
@@ -94,6 +98,8 @@ SUITES = {
     "train": _attn_cases("train", _train_shapes(), ("bfloat16", "float16"),
                          directions=("fwd", "bwd")),
     "fp64": _attn_cases("fp64", [(1, 16, 4096, 64)], ("float64",)),
+    "masked": _attn_cases("masked", [(4, 32, 4096, 64), (4, 16, 4096, 128)], ("bfloat16",),
+                          directions=("fwd", "bwd"), sides=("mask", "bias")),
 }
 
 
@@ -161,10 +167,11 @@ def _attention_rows(case: Case, cupy, torch):
     q, k, v = (cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
                for _ in range(3))
     scale = 1.0 / math.sqrt(case.head_dim)
+    side = _side_inputs(case, cupy, dtype)
     if case.direction == "bwd":
-        impls = _backward_impls(case, cupy, torch, q, k, v, scale)
+        impls = _backward_impls(case, cupy, torch, q, k, v, scale, side)
     else:
-        impls = _forward_impls(case, cupy, torch, q, k, v, scale)
+        impls = _forward_impls(case, cupy, torch, q, k, v, scale, side)
     rows = []
     for name, fn in impls.items():
         allow_tf32 = None
@@ -186,6 +193,26 @@ def _attention_rows(case: Case, cupy, torch):
     return rows
 
 
+def _side_inputs(case: Case, cupy, dtype) -> dict:
+    """The case's mask or bias keyword for cuattn (empty without one)."""
+    s = case.seqlen
+    if case.side == "mask":
+        return {"mask": cupy.random.random((case.batch, 1, s, s)) > 0.1}
+    if case.side == "bias":
+        return {"bias": cupy.random.standard_normal((1, 1, s, s), dtype=cupy.float32)
+                .astype(dtype)}
+    return {}
+
+
+def _torch_side(torch, side: dict) -> dict:
+    """The same as PyTorch's attn_mask (True: take part; a float mask is added)."""
+    if "mask" in side:
+        return {"attn_mask": torch.from_dlpack(side["mask"].view("uint8")).bool()}
+    if "bias" in side:
+        return {"attn_mask": torch.from_dlpack(side["bias"])}
+    return {}
+
+
 def _torch_backends(torch):
     from torch.nn.attention import SDPBackend
     return (("torch flash", SDPBackend.FLASH_ATTENTION),
@@ -201,17 +228,18 @@ def _math_fits(case: Case, dtype) -> bool:
     return score_bytes * factor * dtype.itemsize / 4 <= 60 * 2**30
 
 
-def _forward_impls(case: Case, cupy, torch, q, k, v, scale):
+def _forward_impls(case: Case, cupy, torch, q, k, v, scale, side):
     import cuattn
     dtype = q.dtype
     impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal,
-                                                precision=case.precision)}
+                                                precision=case.precision, **side)}
     score_bytes = case.batch * case.heads * case.seqlen**2 * 4
-    if score_bytes * 3 < 60 * 2**30 and case.precision != "tf32":
+    if score_bytes * 3 < 60 * 2**30 and case.precision != "tf32" and not side:
         impls["naive cupy"] = lambda: _naive(cupy, q, k, v, case.causal, scale)
     if torch is not None:
         from torch.nn.attention import sdpa_kernel
         tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        tside = _torch_side(torch, side)
         for name, backend in _torch_backends(torch):
             if name == "torch math" and not _math_fits(case, dtype):
                 continue
@@ -219,25 +247,27 @@ def _forward_impls(case: Case, cupy, torch, q, k, v, scale):
             def call(backend=backend):
                 with sdpa_kernel([backend]):
                     return torch.nn.functional.scaled_dot_product_attention(
-                        tq, tk, tv, is_causal=case.causal, scale=scale)
+                        tq, tk, tv, is_causal=case.causal, scale=scale, **tside)
             impls[name] = call
     return impls
 
 
-def _backward_impls(case: Case, cupy, torch, q, k, v, scale):
+def _backward_impls(case: Case, cupy, torch, q, k, v, scale, side):
     """Gradient-only callables: cuattn from a saved out and lse; PyTorch through autograd on
-    one retained forward graph per backend (built lazily, inside the timing's warm-up)."""
+    one retained forward graph per backend (built lazily, inside the timing's warm-up). A
+    bias is a constant for both (no gradient asked for it)."""
     import cuattn
     dtype = q.dtype
     out, lse = cuattn.attention(q, k, v, causal=case.causal, precision=case.precision,
-                                return_lse=True)
+                                return_lse=True, **side)
     dout = cupy.random.standard_normal(out.shape, dtype=cupy.float32).astype(dtype)
     impls = {"cuattn": lambda: cuattn.attention_backward(dout, q, k, v, out, lse,
                                                          causal=case.causal,
-                                                         precision=case.precision)}
+                                                         precision=case.precision, **side)}
     if torch is not None:
         from torch.nn.attention import sdpa_kernel
         tdo = torch.from_dlpack(dout)
+        tside = _torch_side(torch, side)
         for name, backend in _torch_backends(torch):
             if name == "torch math" and not _math_fits(case, dtype):
                 continue
@@ -249,7 +279,7 @@ def _backward_impls(case: Case, cupy, torch, q, k, v, scale):
                                   for x in (q, k, v))
                     with sdpa_kernel([backend]):
                         graph["out"] = torch.nn.functional.scaled_dot_product_attention(
-                            tq, tk, tv, is_causal=case.causal, scale=scale)
+                            tq, tk, tv, is_causal=case.causal, scale=scale, **tside)
                     graph["inputs"] = (tq, tk, tv)
                 return torch.autograd.grad(graph["out"], graph["inputs"], tdo,
                                            retain_graph=True)
