@@ -115,9 +115,9 @@ __device__ __forceinline__ A mask_scores(A (&s)[BLOCK_N / 8][4], const AttnParam
                                             long long row0, long long col0, int lane,
                                             bool interior, const unsigned char* mask,
                                             const BiasT* bias) {
-    return mask_scores<BLOCK_N, HAS_MASK, BiasT>(
-        s, p, row0, col0, lane, interior, GlobalView<unsigned char>{mask, p.mask_s.row, p.mask_s.col},
-        GlobalView<BiasT>{bias, p.bias_s.row, p.bias_s.col});
+    const GlobalView<unsigned char> mv{mask, p.mask_s.row, p.mask_s.col};
+    const GlobalView<BiasT> bv{bias, p.bias_s.row, p.bias_s.col};
+    return mask_scores<BLOCK_N, HAS_MASK, BiasT>(s, p, row0, col0, lane, interior, mv, bv);
 }
 
 // The exp2 of the softmax. float: exp2f (MUFU.EX2). double: exp2_lanes (common.cuh), whose
