@@ -62,12 +62,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
                       (BLOCK_M == 32 || BLOCK_M == 64 || BLOCK_M == 128),
                   "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
-    constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
-    // the mask and bias tiles of a query tile (stage_side_tile), staged with its Q and dO
-    constexpr int M_PITCH = side_pitch<unsigned char, BLOCK_N>(),
-                  B_PITCH = side_pitch<BiasT, BLOCK_N>();
-    constexpr int M_BYTES = HAS_MASK ? BLOCK_M * M_PITCH : 0;  // a stage's mask tile
-    constexpr int B_BYTES = HAS_BIAS ? BLOCK_M * B_PITCH : 0;  // and bias tile
+    // the mask and bias tiles of a query tile, staged with its Q and dO (mma_tiles.cuh)
+    using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, true>;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -77,8 +73,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     T* do_s = q_s + STAGES * Q_ELEMS;           // [STAGES][BLOCK_M x HEAD_DIM_V]
     float* lse_s = reinterpret_cast<float*>(do_s + STAGES * DO_ELEMS);  // [STAGES][BLOCK_M], log2
     float* delta_s = lse_s + STAGES * BLOCK_M;                          // [STAGES][BLOCK_M]
-    unsigned char* mask_s = reinterpret_cast<unsigned char*>(delta_s + STAGES * BLOCK_M);
-    unsigned char* bias_s = mask_s + STAGES * M_BYTES;  // [STAGES] each
+    unsigned char* side_s = reinterpret_cast<unsigned char*>(delta_s + STAGES * BLOCK_M);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -95,21 +90,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     const float *lse = in.lse, *delta = in.delta;
     const unsigned char* mask = in.mask;
     const BiasT* bias = in.bias;
-    // a mask and a bias of unit column stride and 16-byte rows are read from staged tiles
-    // (stage_side_tile); other layouts where they lie
-    const bool staged = (!HAS_MASK || side_staged<unsigned char>(p.mask_s.row, p.mask_s.col)) &&
-                        (!HAS_BIAS || side_staged<BiasT>(p.bias_s.row, p.bias_s.col));
-    // the staged tiles of stage st (queries from m0, keys from n0): rows are keys here
-    auto mask_view = [&](int st, long long m0) {
-        return TileView<unsigned char, true>{
-            mask_s + st * M_BYTES + side_shift(mask), m0, n0,
-            side_view_pitch(M_PITCH, p.mask_s.row)};
-    };
-    auto bias_view = [&](int st, long long m0) {
-        return TileView<BiasT, true>{
-            bias_s + st * B_BYTES + side_shift(bias), m0, n0,
-            side_view_pitch(B_PITCH, p.bias_s.row)};
-    };
+    const Side side(side_s, mask, bias, p);
 
     // query rows whose band reaches keys n0 .. n_last
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
@@ -127,16 +108,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     // global memory before this tile's S and dP products are issued
     QueryRowStats<BLOCK_M> stats;
     auto request_q = [&](long long m0, int st) {
-        if constexpr (HAS_MASK)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, M_PITCH, THREADS>(
-                    mask_s + st * M_BYTES, mask + m0 * p.mask_s.row + n0, p.mask_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
-        if constexpr (HAS_BIAS)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, B_PITCH, THREADS>(
-                    bias_s + st * B_BYTES, bias + m0 * p.bias_s.row + n0, p.bias_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
+        side.request(st, m0, n0);
         if constexpr (STATS_AHEAD) {
             request_query_operands<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
                 q_s + st * Q_ELEMS, do_s + st * DO_ELEMS, q, dout, bp, m0);
@@ -195,10 +167,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
                 const int col = 8 * j + 2 * (lane % 4) + e % 2;
                 return make_float2(lse_t[col], delta_t[col]);
             };
-            if (staged)  // the tiles staged with this query tile, or the arrays in place
+            if (side.staged)  // the tiles staged with this query tile, or the arrays in place
                 p_and_ds_tile<HAS_MASK, true, BLOCK_M / 8, BiasT>(
                     s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
-                    mask_view(t % STAGES, m0), bias_view(t % STAGES, m0), stat);
+                    side.mask_view(t % STAGES, m0, n0), side.bias_view(t % STAGES, m0, n0), stat);
             else
                 p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane,
                                               interior, mask, bias, stat);
@@ -249,10 +221,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
                 const int col = 8 * j + 2 * (lane % 4) + e % 2;
                 return make_float2(lse_t[col], delta_t[col]);
             };
-            if (staged)  // the tiles staged with this query tile, or the arrays in place
+            if (side.staged)  // the tiles staged with this query tile, or the arrays in place
                 p_and_ds_tile<HAS_MASK, true, BLOCK_M / 8, BiasT>(
-                    s, dp, p, consts, n0 + warp * 16, m0, lane, interior, mask_view(stage, m0),
-                    bias_view(stage, m0), stat);
+                    s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+                    side.mask_view(stage, m0, n0), side.bias_view(stage, m0, n0), stat);
             else
                 p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane,
                                               interior, mask, bias, stat);
@@ -282,12 +254,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
                       (BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
-    constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
-    // the mask and bias tiles of a key tile (stage_side_tile), staged with its K and V
-    constexpr int M_PITCH = side_pitch<unsigned char, BLOCK_N>(),
-                  B_PITCH = side_pitch<BiasT, BLOCK_N>();
-    constexpr int M_BYTES = HAS_MASK ? BLOCK_M * M_PITCH : 0;  // a stage's mask tile
-    constexpr int B_BYTES = HAS_BIAS ? BLOCK_M * B_PITCH : 0;  // and bias tile
+    // the mask and bias tiles of a key tile, staged with its K and V (mma_tiles.cuh)
+    using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -295,8 +263,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [64 x HEAD_DIM_V]
     T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [STAGES][BLOCK_N x HEAD_DIM]
     T* v_s = k_s + STAGES * K_ELEMS;           // [STAGES][BLOCK_N x HEAD_DIM_V]
-    unsigned char* mask_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);
-    unsigned char* bias_s = mask_s + STAGES * M_BYTES;  // [STAGES] each
+    unsigned char* side_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -311,21 +278,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     const float *lse = in.lse, *delta = in.delta;
     const unsigned char* mask = in.mask;
     const BiasT* bias = in.bias;
-    // a mask and a bias of unit column stride and 16-byte rows are read from staged tiles
-    // (stage_side_tile); other layouts where they lie
-    const bool staged = (!HAS_MASK || side_staged<unsigned char>(p.mask_s.row, p.mask_s.col)) &&
-                        (!HAS_BIAS || side_staged<BiasT>(p.bias_s.row, p.bias_s.col));
-    // the staged tiles of stage st (queries from m0, keys from n0)
-    auto mask_view = [&](int st, long long n0) {
-        return TileView<unsigned char, false>{
-            mask_s + st * M_BYTES + side_shift(mask), m0, n0,
-            side_view_pitch(M_PITCH, p.mask_s.row)};
-    };
-    auto bias_view = [&](int st, long long n0) {
-        return TileView<BiasT, false>{
-            bias_s + st * B_BYTES + side_shift(bias), m0, n0,
-            side_view_pitch(B_PITCH, p.bias_s.row)};
-    };
+    const Side side(side_s, mask, bias, p);
 
     // key tiles that the band reaches from rows m0 .. m_last
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
@@ -335,16 +288,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     auto request_kv = [&](long long n0, int st) {
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
             k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N>(), Sw128<BLOCK_N>());
-        if constexpr (HAS_MASK)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, M_PITCH, THREADS>(
-                    mask_s + st * M_BYTES, mask + m0 * p.mask_s.row + n0, p.mask_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
-        if constexpr (HAS_BIAS)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, B_PITCH, THREADS>(
-                    bias_s + st * B_BYTES, bias + m0 * p.bias_s.row + n0, p.bias_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
+        side.request(st, m0, n0);
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Sw128<BLOCK_M>());
@@ -393,10 +337,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
             const long long n0 = n_lo + (long long)t * BLOCK_N;
             const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
             const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
-            if (staged)  // the tiles staged with this key tile, or the arrays in place
+            if (side.staged)  // the tiles staged with this key tile, or the arrays in place
                 p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8, BiasT>(
                     s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
-                    mask_view(t % STAGES, n0), bias_view(t % STAGES, n0), stat);
+                    side.mask_view(t % STAGES, m0, n0), side.bias_view(t % STAGES, m0, n0), stat);
             else
                 p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane,
                                                interior, mask, bias, stat);
@@ -439,10 +383,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
             wgmma_wait<0>();
             const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
             const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
-            if (staged)  // the tiles staged with this key tile, or the arrays in place
+            if (side.staged)  // the tiles staged with this key tile, or the arrays in place
                 p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8, BiasT>(
-                    s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask_view(stage, n0),
-                    bias_view(stage, n0), stat);
+                    s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                    side.mask_view(stage, m0, n0), side.bias_view(stage, m0, n0), stat);
             else
                 p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane,
                                                interior, mask, bias, stat);

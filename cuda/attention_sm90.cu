@@ -49,19 +49,14 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
                   "wgmma shapes of wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 4, "cp_async_wait takes STAGES - 1");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
-    constexpr bool HAS_BIAS = !is_same_v<BiasT, NoBias>;
-    // the mask and bias tiles of a key tile (stage_side_tile), staged with its K and V
-    constexpr int M_PITCH = side_pitch<unsigned char, BLOCK_N>(),
-                  B_PITCH = side_pitch<BiasT, BLOCK_N>();
-    constexpr int M_BYTES = HAS_MASK ? BLOCK_M * M_PITCH : 0;  // a stage's mask tile
-    constexpr int B_BYTES = HAS_BIAS ? BLOCK_M * B_PITCH : 0;  // and bias tile
+    // the mask and bias tiles of a key tile, staged with its K and V (mma_tiles.cuh)
+    using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
     T* k_s = q_s + NUM_WG * Q_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM]
     T* v_s = k_s + STAGES * K_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM_V]
-    unsigned char* mask_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);  // [STAGES]
-    unsigned char* bias_s = mask_s + STAGES * M_BYTES;                                 // [STAGES]
+    unsigned char* side_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
@@ -70,10 +65,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     const T *q = blk.q, *k = blk.k, *v = blk.v;
     const unsigned char* mask = blk.mask;
     const BiasT* bias = blk.bias;
-    // a mask and a bias of unit column stride and 16-byte rows are read from tiles staged
-    // with K and V (stage_side_tile); other layouts where they lie
-    const bool staged = (!HAS_MASK || side_staged<unsigned char>(p.mask_s.row, p.mask_s.col)) &&
-                        (!HAS_BIAS || side_staged<BiasT>(p.bias_s.row, p.bias_s.col));
+    const Side side(side_s, mask, bias, p);
 
     // sequence positions fit in 32 bits (checked in Python)
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
@@ -89,16 +81,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
                                                          p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                          p.head_dim_v, Sw128<BLOCK_N>());
-        if constexpr (HAS_MASK)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, M_PITCH, THREADS>(
-                    mask_s + stage * M_BYTES, mask + m0 * p.mask_s.row + n0, p.mask_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
-        if constexpr (HAS_BIAS)
-            if (staged)
-                stage_side_tile<BLOCK_M, BLOCK_N, B_PITCH, THREADS>(
-                    bias_s + stage * B_BYTES, bias + m0 * p.bias_s.row + n0, p.bias_s.row,
-                    p.seqlen_q - m0, p.seqlen_k - n0);
+        side.request(stage, m0, n0);
     };
     // each warpgroup's 64 rows of Q form one 64-row tile
 #pragma unroll
@@ -145,13 +128,11 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
 
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
-        const TileView<unsigned char, false> mask_t{mask_s + stage * M_BYTES + side_shift(mask),
-                                                    m0, n0, side_view_pitch(M_PITCH, p.mask_s.row)};
-        const TileView<BiasT, false> bias_t{bias_s + stage * B_BYTES + side_shift(bias), m0, n0,
-                                            side_view_pitch(B_PITCH, p.bias_s.row)};
         const float scale =
-            staged ? mask_scores<N, HAS_MASK, BiasT>(s, p, row0, n0, lane, interior, mask_t, bias_t)
-                   : mask_scores<N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
+            side.staged ? mask_scores<N, HAS_MASK, BiasT>(s, p, row0, n0, lane, interior,
+                                                          side.mask_view(stage, m0, n0),
+                                                          side.bias_view(stage, m0, n0))
+                        : mask_scores<N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
         update_row_state<N, DV_TILES>(s, m, l, o, scale, exp2_fn);
 
         product_rs<HEAD_DIM_V, N, T, BLOCK_N>(o, s, v_base + stage * V_ELEMS * 2);

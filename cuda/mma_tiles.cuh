@@ -216,23 +216,25 @@ __device__ __forceinline__ void for_own_chunks(At at, F f) {
     }
 }
 
-// A mask or bias tile for the element-wise passes (TileView, common.cuh): queries q0 ..
-// q0 + ROWS - 1 (row i at dst + i * PITCH) and keys k0 .. k0 + COLS - 1 of the array whose
-// element (q0, k0) is at src (strides in elements), for an array of unit column stride
-// whose rows lie 16 bytes apart (side_staged): cp.async copies each row in 16-byte chunks
-// from the aligned chunk that holds its first element, so the tile's elements start
-// `shift` = src % 16 bytes into each row (the same for every row and, since k0 steps by
-// whole chunks, every tile: side_shift). Chunks past the last key (nrows, ncols: what is
-// left of the array from (q0, k0)) are zero-filled, rows past the last query not copied
-// (never read). An array of row stride 0 (a key-padding mask) gives one row (the view's
-// pitch 0: side_view_pitch), so that a whole grid's copies do not converge on one L2
-// line. Every byte read shares an aligned 16-byte chunk with an element of the array, so
-// no read leaves the array's pages. The caller commits the cp.async group and orders the
-// tile before its reads (cp_async_wait, barrier).
-// Row pitch of a staged tile of COLS elements: its chunks, one more for a misaligned start.
+// Row pitch of a staged mask or bias tile of COLS elements: its 16-byte chunks, one more
+// for a misaligned start.
 template <typename E, int COLS> constexpr int side_pitch() {
     return 16 * ((COLS * (int)sizeof(E)) / 16 + 1);
 }
+
+// A mask or bias tile for the element-wise passes (TileView, common.cuh): queries q0 ..
+// q0 + ROWS - 1 (row i at dst + i * PITCH) and keys k0 .. k0 + COLS - 1 of the array whose
+// element (q0, k0) is at src (strides in elements), for an array of unit column stride
+// whose rows lie 16 bytes apart (SideTiles::staged): cp.async copies each row in 16-byte
+// chunks from the aligned chunk that holds its first element, so the tile's elements start
+// src % 16 bytes into each row (the same for every row and, since k0 steps by whole
+// chunks, every tile). Chunks past the last key (nrows, ncols: what is left of the array
+// from (q0, k0)) are zero-filled, rows past the last query not copied (never read). An
+// array of row stride 0 (a key-padding mask) gives one row (the view's pitch 0), so that a
+// whole grid's copies do not converge on one L2 line. Every byte read shares an aligned
+// 16-byte chunk with an element of the array, so no read leaves the array's pages. The
+// caller commits the cp.async group and orders the tile before its reads (cp_async_wait,
+// barrier).
 template <int ROWS, int COLS, int PITCH, int THREADS, typename E>
 __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src,
                                                 long long row_stride, long long nrows,
@@ -254,24 +256,68 @@ __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src
     }
 }
 
-// Whether the passes read this mask or bias from staged tiles: unit column stride, rows 16
-// bytes apart (or the same row for every query). Other layouts are read where they lie
-// (GlobalView), as the families without staging do.
-template <typename E>
-__device__ __forceinline__ bool side_staged(long long row_stride, long long col_stride) {
-    return col_stride == 1 && row_stride * (long long)sizeof(E) % 16 == 0;
-}
+// The staged mask and bias of a kernel (the sm90 16-bit forward and backward): STAGES
+// stages of ROWS queries x COLS keys at `smem`, the mask's stages first (STAGES x (M_BYTES
+// + B_BYTES) bytes; cuattn/_dispatch.py::side_bytes per stage), for the block's
+// mask and bias (at its batch entry). `staged`: this call's mask and bias are of unit
+// column stride with rows 16 bytes apart (or one row for every query), so the passes read
+// them from the stages (request, then mask_view / bias_view); other layouts are read where
+// they lie (GlobalView), as the families without staging do. KEYS_ARE_ROWS: the passes'
+// accumulator rows are keys (the dK/dV kernels; TileView).
+template <typename BiasT, bool HAS_MASK, int ROWS, int COLS, int STAGES, int THREADS,
+          bool KEYS_ARE_ROWS>
+struct SideTiles {
+    // (an enum, not static data members, which NVRTC would emit as unused globals)
+    enum : int {
+        HAS_BIAS = !is_same_v<BiasT, NoBias>,
+        M_PITCH = side_pitch<unsigned char, COLS>(),
+        B_PITCH = side_pitch<BiasT, COLS>(),
+        M_BYTES = HAS_MASK ? ROWS * M_PITCH : 0,  // a stage's mask tile
+        B_BYTES = HAS_BIAS ? ROWS * B_PITCH : 0,  // and bias tile
+    };
 
-// The offset of a staged tile's elements in its rows (the view's tile = stage + shift).
-template <typename E>
-__device__ __forceinline__ int side_shift(const E* src) {
-    return (int)(reinterpret_cast<unsigned long long>(src) & 15);
-}
+    unsigned char* smem;
+    const unsigned char* mask;
+    const BiasT* bias;
+    const AttnParams& p;
+    bool staged;
 
-// The pitch of a staged tile's view: PITCH, or 0 where one row serves every query.
-__device__ __forceinline__ int side_view_pitch(int pitch, long long row_stride) {
-    return row_stride == 0 ? 0 : pitch;
-}
+    template <typename E> static __device__ bool stages(const Strides& s) {
+        return s.col == 1 && s.row * (long long)sizeof(E) % 16 == 0;
+    }
+    __device__ SideTiles(unsigned char* smem, const unsigned char* mask, const BiasT* bias,
+                         const AttnParams& p)
+        : smem(smem), mask(mask), bias(bias), p(p),
+          staged((!HAS_MASK || stages<unsigned char>(p.mask_s)) &&
+                 (!HAS_BIAS || stages<BiasT>(p.bias_s))) {}
+
+    // the tiles of queries q0 .. and keys k0 .. into stage st, when staged (cp.async; the
+    // caller commits and waits)
+    __device__ void request(int st, long long q0, long long k0) const {
+        if (!staged) return;
+        if constexpr (HAS_MASK)
+            stage_side_tile<ROWS, COLS, M_PITCH, THREADS>(
+                smem + st * M_BYTES, mask + q0 * p.mask_s.row + k0, p.mask_s.row,
+                p.seqlen_q - q0, p.seqlen_k - k0);
+        if constexpr (HAS_BIAS)
+            stage_side_tile<ROWS, COLS, B_PITCH, THREADS>(
+                smem + STAGES * M_BYTES + st * B_BYTES, bias + q0 * p.bias_s.row + k0,
+                p.bias_s.row, p.seqlen_q - q0, p.seqlen_k - k0);
+    }
+    // stage st as requested for (q0, k0): where its elements start (the array's offset in
+    // its 16-byte chunk) and the row pitch (0 for one row)
+    __device__ TileView<unsigned char, KEYS_ARE_ROWS> mask_view(int st, long long q0,
+                                                                long long k0) const {
+        return {smem + st * M_BYTES + shift(mask), q0, k0, p.mask_s.row == 0 ? 0 : M_PITCH};
+    }
+    __device__ TileView<BiasT, KEYS_ARE_ROWS> bias_view(int st, long long q0, long long k0) const {
+        return {smem + STAGES * M_BYTES + st * B_BYTES + shift(bias), q0, k0,
+                p.bias_s.row == 0 ? 0 : B_PITCH};
+    }
+    template <typename E> static __device__ int shift(const E* src) {
+        return (int)(reinterpret_cast<unsigned long long>(src) & 15);
+    }
+};
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
