@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
         return 2
     results = bench.run(suites, json_path=args.json, plot_path=args.plot,
                         direction=args.direction, max_seqlen=args.max_seqlen,
-                        match=args.match or ())
+                        match=args.match or (), backward_kernel=args.backward_kernel)
     print(bench._format(results))
     return 0
 
@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     b.add_argument("--max-seqlen", type=int, help="skip attention cases with longer sequences")
     b.add_argument("--match", action="append",
                    help="keep cases whose label has this word (e.g. bfloat16, D128, causal)")
+    b.add_argument("--backward-kernel", metavar="FAMILY",
+                   help="force cuattn's backward rows to this backward family (e.g. "
+                        "sm90_3xf16); the forward is dispatched as usual")
     b.add_argument("--json", default="cuattn-bench.json", help="write results here")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)

@@ -27,7 +27,8 @@ __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "MMA_F32_BACKWARD_TILES",
            "MmaF32BwdTiles", "mma_f32_backward_smem_bytes", "SM90_BACKWARD_TILES",
            "Sm90BwdTiles", "sm90_backward_smem_bytes", "SM90_F32_BACKWARD_TILES",
-           "Sm90F32BwdTiles", "sm90_f32_backward_smem_bytes",
+           "Sm90F32BwdTiles", "sm90_f32_backward_smem_bytes", "SM90_3XF16_BACKWARD_TILES",
+           "Sm90F16SplitBwdTiles", "sm90_3xf16_backward_smem_bytes",
            "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
 THREADS = 256
@@ -680,6 +681,19 @@ BACKWARD_FAMILIES = (
            "two variants of the split measured 1.11x and 1.76x the accuracy bound",
            precisions=("highest",),
            archs=((9, 0),)),
+    # after the TF32 splits, so reached only when forced (kernel="sm90_3xf16"): twice as
+    # fast, but its recomputed scores are not the TF32 forward's to the last bit, and P =
+    # exp(S - lse) shows it once the logits grow: gradients at up to 1.2-1.6x the accuracy
+    # bound with q scaled by 64-256 at D64 and 16-64 at D128, where the TF32 splits stay
+    # under 0.6x (docs/kernels.rst, twentieth session). Default once a forward of the same
+    # split computes the lse.
+    Family("sm90_3xf16", "attention_backward_sm90_3xf16.cu", (9, 0), ("float32",), 128,
+           "float32 \"highest\" on Hopper's float16 warpgroup MMA (wgmma .f16, sm_90a): the "
+           "3xTF32 split's hi and lo parts (the same values) scaled by powers of two into "
+           "float16, so every product runs at the 16-bit rate and the gradient products read "
+           "the split tiles as stored (no transposed copies); head dims to 128 (128: dK and "
+           "dV by the two warpgroups of a block, registers)",
+           precisions=("highest",), archs=((9, 0),)),
     Family("mma_f32", "attention_backward_mma_f32.cu", (8, 0), ("float32",), 128,
            "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
            "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
@@ -806,8 +820,12 @@ class BackwardChoice:
     # rows is summed over the key blocks in key order through a float scratch
     fused: bool = False
     # blocks per dK/dV column tile: 2 when dK and dV run in separate blocks (mma_f32
-    # "separate", whose blocks own every column: grid column tile 0 dV, 1 dK)
+    # "separate", sm90_3xf16 at head dim 128; blocks own every column: grid column tile 0
+    # dV, 1 dK)
     dkdv_roles: int = 1
+    # a kernel run before delta that writes the largest magnitudes of each batch entry's q,
+    # k, v, dout and out into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
+    magnitudes: str | None = None
 
 
 def backward_smem_bytes(tiles: BwdTiles, d_tile: int, acc_itemsize: int) -> tuple[int, int]:
@@ -1087,6 +1105,88 @@ def _sm90_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: boo
         threads_dkdv=128 * tiles.dkdv_warpgroups, threads_dq=128 * tiles.dq_warpgroups)
 
 
+@dataclass(frozen=True)
+class Sm90F16SplitBwdTiles:
+    block_m: int   # query tile of the dK/dV kernel (64 keys per warpgroup)
+    block_n: int   # key tile of the dQ kernel (64 query rows per warpgroup)
+    dkdv_min_blocks: int = 1
+    dq_min_blocks: int = 1
+    #: the overlapped forms: the next tile split while the tensor cores run this tile's
+    #: gradient products (two buffers of the split tiles)
+    dkdv_overlap: bool = False
+    dq_overlap: bool = False
+    #: warpgroups per block (1 or 2): 64 keys (dK/dV) or query rows (dQ) each, sharing the
+    #: streamed tiles
+    dkdv_warpgroups: int = 1
+    dq_warpgroups: int = 1
+    #: 2: dK and dV in separate blocks (grid column tile 0 dV, 1 dK), for the registers of
+    #: head dim 128; 3: one block of two warpgroups per 64 keys, warpgroup 0 dV and 1 dK (K,
+    #: V and every split tile shared: room for dkdv_overlap at 128)
+    dkdv_roles: int = 1
+
+
+#: sm90_3xf16 backward: (largest head dim, candidate tiles, reason). ptxas (sm_90a), no
+#: spills: D64 dK/dV (32-query tiles, two warpgroups, overlapped) 241 registers, dQ (64-key
+#: tiles, two warpgroups, overlapped) 253; D128 dK/dV (warpgroup roles, overlapped) 252, dQ
+#: (32-key tiles) 227.
+#: One-warpgroup forms follow as fallbacks for smaller shared memory.
+SM90_3XF16_BACKWARD_TILES = (
+    (64, (Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
+                               dq_warpgroups=2),
+          Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True)),
+     "H200 B4 H32 S4096 (tools/kernel_times.py, session 20), backward ms non-causal / "
+     "causal: both overlapped, two warpgroups, 64-key dQ tiles 16.45-16.81 / 9.03-9.25; "
+     "32-key dQ tiles, dK/dV not overlapped 18.34; dK and dV by the warpgroups of a 64-key "
+     "block 20.58; sm90_3xtf32 24.61"),
+    (128, (Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2,
+                                dkdv_roles=3),
+           Sm90F16SplitBwdTiles(32, 32, dkdv_roles=2)),
+     "H200 B4 H16 S4096 (tools/kernel_times.py, session 20), backward ms non-causal / "
+     "causal: dK and dV by the two warpgroups of one 64-key block, overlapped, 17.77 / "
+     "9.80; the same not overlapped 18.00 / 9.83; dK and dV in separate blocks of two "
+     "warpgroups (128 keys each) 18.64 / 10.19; mma_3xtf32 47.3 (non-causal)"),
+)
+
+
+def sm90_3xf16_backward_smem_bytes(tiles: Sm90F16SplitBwdTiles, hd: int,
+                                   hdv: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_sm90_3xf16 and attention_bwd_dq_sm90_3xf16
+    (the .cu header)."""
+    bm, bn = tiles.block_m, tiles.block_n
+    bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
+    wk = 1 if tiles.dkdv_roles == 3 else tiles.dkdv_warpgroups  # warpgroups with own keys
+    wq = tiles.dq_warpgroups
+    dkdv = (wk * 2 * 64 * (hd + hdv) * 2 + 2 * bm * (hd + hdv) * 4
+            + bufs[0] * 2 * bm * (hd + hdv) * 2 + 2 * 2 * bm * 4)
+    dq = wq * 2 * 64 * (hd + hdv) * 2 + 2 * bn * (hd + hdv) * 4 + bufs[1] * 2 * bn * (hd + hdv) * 2
+    return dkdv, dq
+
+
+def _sm90_3xf16_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
+                         aligned: bool, smem_limit: int,
+                         tiles: Sm90F16SplitBwdTiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_3XF16_BACKWARD_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_3xf16_backward_smem_bytes(t, hd, hdv),
+                             smem_limit, "sm90_3xf16 backward",
+                             f"head dims {head_dim}, {head_dim_v}")
+    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
+    al = str(aligned).lower()
+    return BackwardChoice(
+        "sm90_3xf16", "attention_backward_sm90_3xf16.cu", "attention_bwd_delta<float>",
+        f"attention_bwd_dkdv_sm90_3xf16<{flags}, {tiles.block_m}, {al}, "
+        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}, {tiles.dkdv_warpgroups}, "
+        f"{tiles.dkdv_roles}>",
+        f"attention_bwd_dq_sm90_3xf16<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}, "
+        f"{str(tiles.dq_overlap).lower()}, {tiles.dq_warpgroups}>",
+        64 if tiles.dkdv_roles == 3 else 64 * tiles.dkdv_warpgroups, 64 * tiles.dq_warpgroups,
+        max(hd, hdv), hd, *smem, threads_dkdv=128 * tiles.dkdv_warpgroups,
+        threads_dq=128 * tiles.dq_warpgroups, dkdv_roles=2 if tiles.dkdv_roles == 2 else 1,
+        magnitudes="attention_bwd_magnitudes")
+
+
 def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      grad_dtypes, dout, kernel: str | None = None, tiles=None):
     """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
@@ -1123,6 +1223,9 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
         if family.name == "sm90_3xtf32":
             return _sm90_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                                       smem_limit, tiles)
+        if family.name == "sm90_3xf16":
+            return _sm90_3xf16_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
+                                        smem_limit, tiles)
         return _portable_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                   grad_dtypes, smem_limit, tiles)
     return None
@@ -1179,7 +1282,7 @@ def _np_name(name: str):
 
 
 #: backward families with aligned and unaligned instances
-_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32", "sm90_3xtf32")
+_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32", "sm90_3xtf32", "sm90_3xf16")
 
 
 def backward_instances(arch: str):
@@ -1210,8 +1313,9 @@ def backward_instances(arch: str):
                                 continue
                             fast = (bias is None and not has_mask and grads[0] == dtype
                                     and aligned)
-                            for expr in (choice.delta, choice.dkdv, choice.dq):
-                                if expr is None:  # the fused kernel writes dQ too
+                            for expr in (choice.magnitudes, choice.delta, choice.dkdv,
+                                         choice.dq):
+                                if expr is None:  # no magnitudes; the fused kernel's dQ
                                     continue
                                 key = (choice.filename, expr)
                                 seen[key] = seen.get(key, False) or fast

@@ -101,7 +101,8 @@ def read_source(filename: str, directory: Path | None = None) -> str:
 #: sm_90 devices only.
 ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a", "attention_sm90_tf32.cu": "sm_90a",
                  "attention_backward_sm90.cu": "sm_90a",
-                 "attention_backward_sm90_tf32.cu": "sm_90a"}
+                 "attention_backward_sm90_tf32.cu": "sm_90a",
+                 "attention_backward_sm90_3xf16.cu": "sm_90a"}
 
 
 def nvrtc_options(arch: str | None = None, filename: str | None = None) -> tuple[str, ...]:
@@ -250,22 +251,25 @@ ATTN_BWD_PARAMS_DTYPE = np.dtype(
     + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
                                "num_col_tiles")]
     + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")]
-    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles")],
+    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles",
+                               "magnitudes")],
     align=True)
-_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q4q")
+_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q5q")
 assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
 
 
 def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
                          bwd_ints: list[int], bwd_strides: list[int],
-                         fused: tuple[int, int, int, int] = (0, 0, 0, 0)) -> np.void:
+                         fused: tuple[int, int, int, int] = (0, 0, 0, 0),
+                         magnitudes: int = 0) -> np.void:
     """The AttnBwdParams block: the forward's 17 integer fields (seven pointers, then the ten of
     :func:`attn_params_tail`), then
     ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles),
     ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv) and ``fused`` (the fused
-    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles)."""
+    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles), then ``magnitudes``
+    (the device address of the sm90_3xf16 kernels' largest magnitudes per batch entry)."""
     buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides,
-                                       *fused)
+                                       *fused, magnitudes)
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
 
 

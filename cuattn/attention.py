@@ -552,6 +552,10 @@ def _tf32_prep_plan(expr: str, src, images, rows: int, cols: int, src_rows: int,
     return launch, [(p[0], p[1]) for p in pointer_sets]
 
 
+#: Rows of q (and of k) per block of attention_bwd_magnitudes (MAG_ROWS in
+#: cuda/attention_backward_sm90_3xf16.cu)
+MAGNITUDE_ROWS = 16
+
 #: Largest dQ scratch of the fused backward (attention_bwd_sm90_fused): batch entries run in
 #: chunks whose scratch fits, so the backward's extra memory stays O(B·H·S) beyond it.
 FUSED_SCRATCH_BYTES = 64 * 2**20
@@ -610,11 +614,19 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
                              dq_rows * dq_cols * inner))
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
+        magnitudes = None
+        if choice.magnitudes is not None:
+            # the largest magnitudes of each batch entry's operands (attention_bwd_magnitudes:
+            # MAGNITUDE_ROWS rows per block), zeroed before each pointer set's launch
+            chunks = -(-max(call.seqlen_q, call.seqlen_k) // MAGNITUDE_ROWS)
+            magnitudes = (get_kernel(choice.filename, choice.magnitudes),
+                          cupy.empty(inner * 5, np.float32), chunks)
+        mag_ptr = 0 if magnitudes is None else magnitudes[1].data.ptr
 
         def launch(fn, smem, threads, rows, cols, blocks, pointers, fused=(0, 0, 0, 0)):
             params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
                                           strides[:35], pointers[7:] + [rows, cols],
-                                          strides[35:], fused)
+                                          strides[35:], fused, mag_ptr)
             fn((blocks,), (threads,), (params,), shared_mem=smem)
 
         if choice.fused:
@@ -628,6 +640,10 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
             turns = cupy.empty(chunk * dq_rows * 2, np.int32)
             stream = cupy.cuda.get_current_stream().ptr
         for pointers in pointer_sets:
+            if magnitudes is not None:
+                fn, buf, chunks = magnitudes
+                buf.fill(0)
+                launch(fn, 0, 256, chunks, 1, chunks * inner, pointers)
             launch(kernels[0], *launches[0][1:], pointers)
             if not choice.fused:
                 for fn, (_, *rest) in zip(kernels[1:], launches[1:]):

@@ -13,6 +13,7 @@ it. See PERF.md for the suites and the targets.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
@@ -161,7 +162,7 @@ def _naive(cupy, q, k, v, causal, scale):
     return p.astype(q.dtype) @ v
 
 
-def _attention_rows(case: Case, cupy, torch):
+def _attention_rows(case: Case, cupy, torch, backward_kernel=None):
     dtype = np.dtype(case.dtype) if case.dtype != "bfloat16" else np.dtype("bfloat16")
     shape = (case.batch, case.heads, case.seqlen, case.head_dim)
     q, k, v = (cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
@@ -169,7 +170,7 @@ def _attention_rows(case: Case, cupy, torch):
     scale = 1.0 / math.sqrt(case.head_dim)
     side = _side_inputs(case, cupy, dtype)
     if case.direction == "bwd":
-        impls = _backward_impls(case, cupy, torch, q, k, v, scale, side)
+        impls = _backward_impls(case, cupy, torch, q, k, v, scale, side, backward_kernel)
     else:
         impls = _forward_impls(case, cupy, torch, q, k, v, scale, side)
     rows = []
@@ -252,18 +253,22 @@ def _forward_impls(case: Case, cupy, torch, q, k, v, scale, side):
     return impls
 
 
-def _backward_impls(case: Case, cupy, torch, q, k, v, scale, side):
-    """Gradient-only callables: cuattn from a saved out and lse; PyTorch through autograd on
-    one retained forward graph per backend (built lazily, inside the timing's warm-up). A
-    bias is a constant for both (no gradient asked for it)."""
+def _backward_impls(case: Case, cupy, torch, q, k, v, scale, side, backward_kernel=None):
+    """Gradient-only callables: cuattn from a saved out and lse (its backward family forced
+    to ``backward_kernel`` when given, the forward dispatched as usual); PyTorch through
+    autograd on one retained forward graph per backend (built lazily, inside the timing's
+    warm-up). A bias is a constant for both (no gradient asked for it)."""
     import cuattn
+
+    from .attention import _attention_backward
     dtype = q.dtype
     out, lse = cuattn.attention(q, k, v, causal=case.causal, precision=case.precision,
                                 return_lse=True, **side)
     dout = cupy.random.standard_normal(out.shape, dtype=cupy.float32).astype(dtype)
-    impls = {"cuattn": lambda: cuattn.attention_backward(dout, q, k, v, out, lse,
-                                                         causal=case.causal,
-                                                         precision=case.precision, **side)}
+    backward = (cuattn.attention_backward if backward_kernel is None else functools.partial(
+        _attention_backward, kernel=backward_kernel))
+    impls = {"cuattn": lambda: backward(dout, q, k, v, out, lse, causal=case.causal,
+                                        precision=case.precision, **side)}
     if torch is not None:
         from torch.nn.attention import sdpa_kernel
         tdo = torch.from_dlpack(dout)
@@ -402,10 +407,11 @@ def environment(cupy) -> dict:
 
 
 def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
-        max_seqlen=None, match=()) -> list[Result]:
+        max_seqlen=None, match=(), backward_kernel=None) -> list[Result]:
     """Run the named suites (only the ``direction`` rows, "fwd" or "bwd", sequences up to
-    ``max_seqlen``, and labels containing every string of ``match``, when given); print a
-    progress line per case and return the results."""
+    ``max_seqlen``, and labels containing every string of ``match``, when given; cuattn's
+    backward rows through the family ``backward_kernel``, when given); print a progress
+    line per case and return the results."""
     from ._kernels import require_cupy
     cupy = require_cupy()
     torch = _try_import("torch")
@@ -420,8 +426,8 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
                     or not all(m in case.label.split() for m in match)):
                 continue
             t0 = time.perf_counter()
-            rows = (_vector_add_rows if case.kind == "vector_add" else _attention_rows)(
-                case, cupy, torch)
+            rows = (_vector_add_rows(case, cupy, torch) if case.kind == "vector_add" else
+                    _attention_rows(case, cupy, torch, backward_kernel))
             results.append(Result(case, rows))
             ours = next((r for r in rows if r.impl == "cuattn"), None)
             rate = "failed: " + ours.note if ours is None or ours.ms is None else f"{ours.rate:.1f}"

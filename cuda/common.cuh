@@ -194,6 +194,9 @@ struct AttnBwdParams {
     // float scratch and int turn counters for a chunk of batch entries starting at
     // batch_begin, num_q_tiles query tiles each
     long long dq_acc, dq_turn, batch_begin, num_q_tiles;
+    // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (attention_bwd_magnitudes;
+    // zero for the others)
+    long long magnitudes;
 };
 
 // Offset of element (b, row, col) of a tensor described by strides s, where b is the

@@ -154,15 +154,16 @@ __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_ti
 // roles swapped) are the same terms summed the same way, so that their split errors cancel
 // in P = exp(S - lse) (not compared bit for bit; the GPU suite's gradients are within the
 // accuracy rule at 3x). A_hi is read once for two terms: 2/3 of the shared-memory bytes of
-// A that three products of width N read (eighteenth session).
+// A that three products of width N read (eighteenth session). T = __half: the same split
+// carried by scaled float16 operands (attention_backward_sm90_3xf16.cu).
 // Fences and issues; the caller commits and waits.
-template <int N, int CONTRACT>
+template <int N, int CONTRACT, typename T = float>
 __device__ __forceinline__ void stacked_product_ss(float (&wide)[2 * N / 8][4],
                                                    float (&y)[N / 8][4], unsigned a_tile,
                                                    unsigned a_lo, unsigned b_stacked) {
     wgmma_fence();
-    product_ss<2 * N, CONTRACT, float>(wide, a_tile, b_stacked);
-    product_ss<N, CONTRACT, float, 2 * N>(y, a_tile + a_lo, b_stacked);
+    product_ss<2 * N, CONTRACT, T>(wide, a_tile, b_stacked);
+    product_ss<N, CONTRACT, T, 2 * N>(y, a_tile + a_lo, b_stacked);
 }
 
 template <int N8>

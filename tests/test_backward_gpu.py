@@ -18,6 +18,7 @@ from cuattn._dispatch import (
     BACKWARD_FAMILIES,
     MmaF32BwdTiles,
     Sm90BwdTiles,
+    Sm90F16SplitBwdTiles,
     Sm90F32BwdTiles,
 )
 from cuattn.attention import _attention_backward
@@ -474,3 +475,50 @@ def test_sm90_3xtf32_tiles(tiles, case):
     _check("sm90_3xtf32", _rand(rng, (2, 3, sq, 64), np.float32),
            _rand(rng, (2, 3, sk, 64), np.float32), _rand(rng, (2, 3, sk, 64), np.float32),
            rng, tiles=tiles, **kw)
+
+
+#: The sm90_3xf16 backward's forms: one and two warpgroups, plain and overlapped, dK and dV
+#: in one block, in separate blocks (roles 2) or in the two warpgroups of one block (roles
+#: 3), at head dims 64 and 128 (where the table takes the role forms), over the fused
+#: form's band and mask cases and long ones.
+SM90_3XF16_TILES = [
+    Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
+                         dq_warpgroups=2),
+    Sm90F16SplitBwdTiles(32, 32),
+    Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2, dkdv_roles=2),
+    Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2,
+                         dkdv_roles=3),
+    Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=3)]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("tiles", SM90_3XF16_TILES, ids=str)
+def test_sm90_3xf16_tiles(tiles, head, case):
+    _needs_sm90()
+    if head == 128 and tiles.dkdv_roles == 1:
+        pytest.skip("dK and dV of one block exceed the registers at head dim 128")
+    sq, sk, kw = OVERLAP_CASES[case]
+    rng = np.random.default_rng(sq + sk + head)
+    if kw.get("mask") == "random":
+        kw = {**kw, "mask": rng.random((2, 3, sq, sk)) > 0.3}
+    _check("sm90_3xf16", _rand(rng, (2, 3, sq, head), np.float32),
+           _rand(rng, (2, 3, sk, head), np.float32), _rand(rng, (2, 3, sk, head), np.float32),
+           rng, tiles=tiles, **kw)
+
+
+@pytest.mark.parametrize("magnitude", [2.0**-60, 1e-3, 1e4, 2.0**60])
+def test_sm90_3xf16_scales_follow_the_magnitudes(magnitude):
+    """The split's power-of-two scales come from each batch entry's largest magnitudes: q, k,
+    v and dout far from 1 (the logits kept of order 1: q scaled by m, k by 1/m), entries of
+    different magnitudes in one call and a k of zeros (scale 1) are as accurate as inputs
+    of order 1. (Large logits are another matter: docs/kernels.rst, twentieth session.)"""
+    _needs_sm90()
+    rng = np.random.default_rng(11)
+    q, k, v = (_rand(rng, (2, 2, 100, 64), np.float32) for _ in range(3))
+    m = np.float32(magnitude)
+    q[0] *= m
+    k[0] /= m
+    v[1] *= m
+    k[1, 1] = 0.0
+    _check("sm90_3xf16", q, k, v, rng)

@@ -273,6 +273,44 @@ def test_backward_families_and_tiles():
     assert backward(F16, 512).family == "portable"
 
 
+def test_sm90_3xf16_backward_instances_and_shared_memory():
+    """The split on float16 wgmma serves float32 "highest" to head dim 128 on sm_90 when
+    forced (not yet the default: docs/kernels.rst, twentieth session), after a magnitudes
+    kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""
+    choice = backward(F32, 64, forced="sm90_3xf16")
+    assert choice.family == "sm90_3xf16"
+    assert choice.filename == "attention_backward_sm90_3xf16.cu"
+    assert choice.magnitudes == "attention_bwd_magnitudes"
+    assert choice.delta == "attention_bwd_delta<float>"
+    flags = "cuattn::NoBias, false, 64, 64"
+    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 1>"
+    assert choice.dq == f"attention_bwd_dq_sm90_3xf16<{flags}, 64, true, 1, true, 2>"
+    assert (choice.dkdv_rows, choice.dq_rows, choice.dkdv_roles) == (128, 128, 1)
+    assert (choice.threads_dkdv, choice.threads_dq) == (256, 256)
+    # the .cu header: K, V (hi, lo: float16) of both warpgroups, two raw float stages of the
+    # streamed tiles, two buffers of their stacked split tiles, lse and delta
+    assert (choice.smem_dkdv, choice.smem_dq) == (
+        2 * 2 * 64 * 128 * 2 + 2 * 32 * 128 * 4 + 2 * 2 * 32 * 128 * 2 + 2 * 2 * 32 * 4,
+        2 * 2 * 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 2 * 64 * 128 * 2)
+    wide = backward(F32, 128, forced="sm90_3xf16")
+    flags = "cuattn::NoBias, false, 128, 128"
+    assert wide.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 3>"
+    assert (wide.dkdv_roles, wide.dkdv_rows, wide.col_tile) == (1, 64, 128)
+    # one 64-key set of K and V (hi, lo), two raw stages and two split buffers of Q and dO
+    assert wide.smem_dkdv == (2 * 64 * 256 * 2 + 2 * 32 * 256 * 4 + 2 * 2 * 32 * 256 * 2
+                              + 2 * 2 * 32 * 4)
+    roles = backward(F32, 128, forced="sm90_3xf16",
+                     tiles=d.Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=2))
+    assert (roles.dkdv_roles, roles.dkdv_rows) == (2, 128)
+    assert max(wide.smem_dkdv, wide.smem_dq) <= H200[1]
+    assert backward(F32, 64, forced="sm90_3xf16", precision="tf32") is None
+    assert backward(F32, 256, forced="sm90_3xf16") is None
+    assert backward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
+    instances = [e for f, e, _ in d.backward_instances("sm_90")
+                 if f == "attention_backward_sm90_3xf16.cu"]
+    assert "attention_bwd_magnitudes" in instances
+
+
 def test_sm90_3xtf32_backward_serves_head_dims_to_64_on_sm90():
     """The wgmma split backward serves float32 "highest" to head dim 64 on sm_90, two
     warpgroups per block; wider heads and other GPUs go on to mma_3xtf32 and portable."""

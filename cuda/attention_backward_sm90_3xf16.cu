@@ -1,0 +1,682 @@
+// attention_backward_sm90_3xf16.cu -- float32 attention backward for precision="highest" on
+// Hopper's float16 tensor cores (sm_90a: wgmma .f16): the 3xTF32 split of
+// attention_backward_sm90_tf32.cu, carried by float16 operands scaled by powers of two.
+//
+// Computes:   the gradients of attention_backward_sm90_tf32.cu (API.md semantics; reference
+//             cuattn/reference.py::attention_backward_reference), with the same two kernels
+//             after delta (backward.cuh), the same element-wise rule (p_and_ds_tile) and the
+//             same sums: score products [A_hi B_hi^T | A_hi B_lo^T] and A_lo B_hi^T summed
+//             hh + (hl + lh) in float32 (stacked_product_ss); gradient products of each tile
+//             into fresh accumulators, small terms first, added to the running gradient.
+// The split:  x = hi + lo with hi = x rounded to TF32 (11 significant bits, to nearest) and lo
+//             = x - hi read to 11 significant bits toward zero -- exactly the values that the
+//             3xTF32 split feeds a TF32 instruction (split_tf32; the instruction truncates
+//             lo). float16 holds 11 significant bits too, so hi * s and lo * s are float16
+//             values for a power of two s that puts the operand's largest magnitude in
+//             [2^14, 2^15): the products are those of 3xTF32 times s_a s_b (exact), taken out
+//             again by exact multiplies. So the recomputed scores carry the same split errors
+//             as the sm90_3xtf32 forward's, which cancel in P = exp(S - lse). Where lo * s falls
+//             below float16's normal range (|x| below 2^-16 of the largest magnitude of its
+//             operand) lo keeps fewer bits: an absolute error under 2^-38 of that magnitude.
+//             Scales per batch entry (attention_bwd_magnitudes: the largest finite |q|, |k|,
+//             |v|, |dout|, |out|); P by 2^15 (P <= 1); dS by its bound Dv |dout| (|v| + |out|)
+//             (|dP| <= Dv |dout| |v|, |delta| <= Dv |dout| |out|, P <= 1, the softcap factor
+//             <= 1). Exponents are clamped to [-100, 100]: entries whose largest magnitude lies
+//             outside about 2^-86 .. 2^100 lose precision (below) or overflow (above).
+//             Against 3xTF32: the products run at the 16-bit rate (twice TF32's), and 16-bit
+//             wgmma reads B N-contiguous, so the gradient products read the streamed split
+//             tiles as stored -- no transposed copies, and a split tile takes the bytes of one
+//             float tile, which is what lets head dim 128 fit.
+// Kernels:    attention_bwd_magnitudes: the largest finite magnitudes per batch entry (grid:
+//             num_row_blocks chunks of MAG_ROWS rows x batch; atomicMax on the float bits,
+//             which order as unsigned integers for non-negative floats: order-independent).
+//             attention_bwd_dkdv_sm90_3xf16: each warpgroup owns 64 keys (warp w: keys 16w ..
+//             16w + 15 of them) and all columns of dK and dV (ROLES = 1), or of one of them
+//             (ROLES = 2: the grid's column tile 0 computes dV -- S^T and dV += P^T dO -- and
+//             tile 1 dK -- S^T, dP^T and dK += dS^T Q --, so that a head dim of 128 fits the
+//             registers; ROLES = 3: the block's two warpgroups own the same 64 keys,
+//             warpgroup 0 computing dV and 1 dK, so K and V are split once for both and the
+//             shared memory leaves room for OVERLAP at head dim 128); K and V split once
+//             (from global memory through registers); the block walks the query tiles
+//             (BLOCK_M rows) of its keys' band.
+//             attention_bwd_dq_sm90_3xf16: each warpgroup owns 64 query rows and all columns
+//             of dQ, Q and dO split once; the block walks the key tiles (BLOCK_N keys).
+//             With WARPGROUPS = 2 the two warpgroups share each streamed tile (its split tile
+//             is written once for both, by all 256 threads). Each gradient element is written
+//             once by one thread: no atomics, repeated calls are bit-identical.
+// Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); the tile of the
+//             other sequence (BLOCK_M for dK/dV, BLOCK_N for dQ: 32 or 64); ALIGNED (16-byte
+//             copies and loads: unit column strides, 16-byte rows and pointers; otherwise
+//             element loads); MIN_BLOCKS; OVERLAP (the next tile is split while the tensor
+//             cores run this tile's gradient products: two buffers of split tiles);
+//             WARPGROUPS (1 or 2); ROLES (dK/dV: 1, 2 or 3, above). Gradients are float32.
+// Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum,
+//             unscale; the element-wise pass, the split fragments and the gradient products
+//             issued into fresh accumulators; then either (plain) wait, add, and prepare tile
+//             t + 1 -- a barrier, the request of tile t + 2's raw tiles into the stage that tile
+//             t used, the split tiles of t + 1, a proxy fence and a barrier -- or (OVERLAP)
+//             prepare t + 1 first and wait and add after.
+// Shared mem: dK/dV: O*2*64*(HEAD_DIM+HEAD_DIM_V)*2 + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)*4
+//             + B*2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)*2 + 2*2*BLOCK_M*4 bytes: K and V (hi, lo;
+//             per warpgroup), two raw stages of Q and dO, B buffers of their stacked split
+//             tiles (hi rows; lo rows), lse and delta;
+//             dQ: W*2*64*(HEAD_DIM+HEAD_DIM_V)*2 + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)*4
+//             + B*2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)*2 bytes: Q and dO (hi, lo; per warpgroup),
+//             two raw stages of K and V, B buffers of their stacked split tiles;
+//             B = 2 with OVERLAP, else 1; W = WARPGROUPS; O = 1 with ROLES = 3, else W.
+//             Split tiles in the 16-bit
+//             128-byte-swizzle layout (Sw128<ROWS, 2>), raw tiles in the float one
+//             (Sw128<ROWS, 4>). cuattn/_dispatch.py::sm90_3xf16_backward_smem_bytes computes
+//             the same numbers.
+#include "backward.cuh"
+#include "sm90_tiles.cuh"
+
+using namespace cuattn;
+using namespace cuattn::mma;
+using namespace cuattn::sm90;
+
+namespace {
+
+constexpr int MAGS = 5;  // per batch entry, in this order:
+enum Magnitude { MAG_Q, MAG_K, MAG_V, MAG_DOUT, MAG_OUT };
+constexpr float P_SCALE = 32768.f;  // P <= 1 (to rounding) times 2^15 stays below 65504
+
+// The power of two that puts a largest magnitude m in [2^14, 2^15) (exponent clamped to
+// [-100, 100]); 1 for m = 0 (an entry of zeros) or a non-finite m.
+__device__ __forceinline__ float range_scale(float m) {
+    if (!(m > 0.f) || !isfinite(m)) return 1.f;
+    return ldexpf(1.f, 14 - max(-100, min(100, ilogbf(m))));
+}
+
+// x's 3xTF32 parts (split_tf32: hi to nearest, lo as the TF32 instruction reads it, toward
+// zero) times the power of two s, as float16
+__device__ __forceinline__ void split_f16(float x, float s, __half& hi, __half& lo) {
+    float h, l;
+    split_tf32(x, h, l);
+    hi = __float2half_rn(h * s);  // 11 significant bits: exact in the normal range
+    lo = __float2half_rz(l * s);
+}
+__device__ __forceinline__ void split_f16x2(float x0, float x1, float s, unsigned& hi,
+                                            unsigned& lo) {
+    __half h0, l0, h1, l1;
+    split_f16(x0, s, h0, l0);
+    split_f16(x1, s, h1, l1);
+    __half2 h = __halves2half2(h0, h1), l = __halves2half2(l0, l1);
+    hi = *reinterpret_cast<unsigned*>(&h);
+    lo = *reinterpret_cast<unsigned*>(&l);
+}
+
+// The split of a ROWS x COLS raw float tile (Sw128<ROWS, 4>) into one stacked float16 tile of
+// 2 ROWS rows (Sw128<2 ROWS, 2>): hi * s in rows 0 .. ROWS - 1, lo * s in rows ROWS .. 2 ROWS -
+// 1, so that one product reads [X_hi; X_lo] as a B operand of twice the width and the
+// gradient products read either half N-contiguous. Thread i takes 4-column chunks i, i +
+// THREADS, ..., consecutive threads along a row (four 128-byte reads and two 128-byte
+// writes per warp and step).
+template <int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void split_stacked16(__half* dst, const float* raw, float s) {
+    constexpr int C4 = COLS / 4;
+    static_assert(ROWS * C4 % THREADS == 0, "whole steps");
+#pragma unroll
+    for (int i = 0; i < ROWS * C4 / THREADS; ++i) {
+        const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
+        const float4 x = *reinterpret_cast<const float4*>(raw + Sw128<ROWS, 4>()(r, c));
+        uint2 h, l;
+        split_f16x2(x.x, x.y, s, h.x, l.x);
+        split_f16x2(x.z, x.w, s, h.y, l.y);
+        *reinterpret_cast<uint2*>(dst + Sw128<2 * ROWS, 2>()(r, c)) = h;
+        *reinterpret_cast<uint2*>(dst + Sw128<2 * ROWS, 2>()(r + ROWS, c)) = l;
+    }
+}
+
+// A block's stationary operand, 64 rows a warpgroup: warpgroup g's rows g * 64 .. of a
+// (`rows` rows left from a's first, `cols` columns; rows and columns past them are zeros)
+// split into its hi tile at dst + g * 2 * 64 * COLS and lo tile 64 * COLS halves on
+// (Sw128<64, 2>), for the tensor cores' A operand. Loaded from global memory into registers
+// (all of a thread's loads in flight before its first split), once per block.
+template <int WARPGROUPS, int COLS, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void split_own_tiles(__half* dst, const float* a, const Strides& str,
+                                                long long rows, long long cols, float s) {
+    constexpr int C4 = COLS / 4, PER = 64 * C4 / THREADS;
+    static_assert(64 * C4 % THREADS == 0, "whole steps");
+#pragma unroll
+    for (int g = 0; g < WARPGROUPS; ++g) {
+        float4 x[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
+            const long long row = 64 * g + r;
+            x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (row >= rows) continue;
+            const float* src = a + row * str.row;
+            if (ALIGNED && c + 4 <= cols) {
+                x[i] = *reinterpret_cast<const float4*>(src + c);
+            } else {
+                float e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (c + j < cols) e[j] = src[(c + j) * str.col];
+                x[i] = make_float4(e[0], e[1], e[2], e[3]);
+            }
+        }
+        __half* hi = dst + g * 2 * 64 * COLS;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
+            uint2 h, l;
+            split_f16x2(x[i].x, x[i].y, s, h.x, l.x);
+            split_f16x2(x[i].z, x[i].w, s, h.y, l.y);
+            *reinterpret_cast<uint2*>(hi + Sw128<64, 2>()(r, c)) = h;
+            *reinterpret_cast<uint2*>(hi + 64 * COLS + Sw128<64, 2>()(r, c)) = l;
+        }
+    }
+}
+
+// X (64 x ROWS, m16n8 accumulator layout) times the power of two s, split, as the hi and lo
+// A fragments of a 16-bit register-A product (pack_a's order)
+template <int ROWS>
+__device__ __forceinline__ void split_fragments(unsigned (&hi)[ROWS / 16][4],
+                                                unsigned (&lo)[ROWS / 16][4],
+                                                const float (&x)[ROWS / 8][4], float s) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; ++kk) {
+        split_f16x2(x[2 * kk][0], x[2 * kk][1], s, hi[kk][0], lo[kk][0]);
+        split_f16x2(x[2 * kk][2], x[2 * kk][3], s, hi[kk][1], lo[kk][1]);
+        split_f16x2(x[2 * kk + 1][0], x[2 * kk + 1][1], s, hi[kk][2], lo[kk][2]);
+        split_f16x2(x[2 * kk + 1][2], x[2 * kk + 1][3], s, hi[kk][3], lo[kk][3]);
+    }
+}
+
+// acc (64 x N) (+)= X Z, X (64 x ROWS) as A fragments and Z the stacked split tile z_tile
+// (2 ROWS rows: hi, then lo; 64-column groups 2 ROWS * 128 bytes apart) read N-contiguous
+template <int N, int ROWS>
+__device__ __forceinline__ void product_ra16(float (&acc)[N / 8][4], const unsigned (&a)[ROWS / 16][4],
+                                             unsigned z_tile, bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; ++kk)
+        Wgmma<N, __half>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, 2 * ROWS * 128),
+                             accumulate || kk > 0);
+}
+
+// acc (64 x N) = X Z by the split into fresh accumulators, small terms first: X_hi Z_lo,
+// X_lo Z_hi, X_hi Z_hi. Fences and issues; the caller commits, waits and keeps the fragments
+// until then.
+template <int N, int ROWS>
+__device__ __forceinline__ void split_product_ra16(float (&acc)[N / 8][4],
+                                                   const unsigned (&hi)[ROWS / 16][4],
+                                                   const unsigned (&lo)[ROWS / 16][4],
+                                                   unsigned z_stacked) {
+    wgmma_fence();
+    product_ra16<N, ROWS>(acc, hi, z_stacked + ROWS * 128, false);
+    product_ra16<N, ROWS>(acc, lo, z_stacked, true);
+    product_ra16<N, ROWS>(acc, hi, z_stacked, true);
+}
+
+// acc = (hh + (hl + lh)) / (s_a s_b): stacked_sum, then the scales out (two exact multiplies)
+template <int N8>
+__device__ __forceinline__ void stacked_sum_unscaled(float (&acc)[N8][4],
+                                                     const float (&wide)[2 * N8][4],
+                                                     const float (&y)[N8][4], float inv_a,
+                                                     float inv_b) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            acc[j][e] = (wide[j][e] + (wide[N8 + j][e] + y[j][e])) * inv_a * inv_b;
+}
+
+template <int N>
+__device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] += x[d][e];
+}
+
+template <int N>
+__device__ __forceinline__ void scale_by(float (&acc)[N][4], float a, float b) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] = acc[d][e] * a * b;
+}
+
+// The scales of batch entry b (attention_bwd_magnitudes)
+struct SplitScales {
+    float q, k, v, dout, ds;
+    __device__ __forceinline__ SplitScales(const AttnBwdParams& bp, long long b) {
+        const float* m = reinterpret_cast<const float*>(bp.magnitudes) + b * MAGS;
+        q = range_scale(m[MAG_Q]);
+        k = range_scale(m[MAG_K]);
+        v = range_scale(m[MAG_V]);
+        dout = range_scale(m[MAG_DOUT]);
+        ds = range_scale(float(bp.f.head_dim_v) * m[MAG_DOUT] * (m[MAG_V] + m[MAG_OUT]));
+    }
+};
+
+// The dK/dV kernel's body for one role: DV (S^T, dV += P^T dO), DK (S^T, dP^T, dK += dS^T
+// Q), or both. SHARED_KEYS: the block's two warpgroups own the same 64 keys, one role each
+// (K and V split once for both); otherwise each warpgroup owns 64 keys of its own. The
+// block barriers are named (bar_sync) since the two roles reach them from different code.
+template <bool DV, bool DK, bool SHARED_KEYS, typename BiasT, bool HAS_MASK, int HEAD_DIM,
+          int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, bool OVERLAP, int WARPGROUPS>
+__device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockCoords& blk,
+                                           unsigned char* smem_raw) {
+    constexpr int THREADS = 128 * WARPGROUPS;
+    constexpr int OWNERS = SHARED_KEYS ? 1 : WARPGROUPS;  // warpgroups with keys of their own
+    constexpr int BLOCK_N = 64 * OWNERS;                   // 64 keys an owner
+    constexpr int K_ELEMS = 64 * HEAD_DIM, V_ELEMS = 64 * HEAD_DIM_V;  // one owner's keys
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    constexpr int BUFS = OVERLAP ? 2 : 1;  // split tiles: one per tile in flight
+    const AttnParams& p = bp.f;
+
+    __half* k_s = reinterpret_cast<__half*>(smem_raw);  // [OWNERS][hi, lo][64 x HEAD_DIM]
+    __half* v_s = k_s + OWNERS * 2 * K_ELEMS;            // [OWNERS][hi, lo][64 x HEAD_DIM_V]
+    float* q_raw = reinterpret_cast<float*>(v_s + OWNERS * 2 * V_ELEMS);  // [2][BLOCK_M x D]
+    float* do_raw = q_raw + 2 * Q_ELEMS;                // [2 stages][BLOCK_M x HEAD_DIM_V]
+    __half* q_s = reinterpret_cast<__half*>(do_raw + 2 * DO_ELEMS);  // [BUFS][2 BLOCK_M x D]
+    __half* do_s = q_s + BUFS * 2 * Q_ELEMS;             // [BUFS][2 BLOCK_M x HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(do_s + BUFS * 2 * DO_ELEMS);  // [2][BLOCK_M], log2
+    float* delta_s = lse_s + 2 * BLOCK_M;                                  // [2][BLOCK_M]
+
+    // warpgroup wg owns keys n0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them), or
+    // n0 .. n0 + 63 with SHARED_KEYS
+    const int wg = OWNERS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int warp = WARPGROUPS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % 4;
+    const long long n_block = blk.row_block, b = blk.b;
+    const long long n0 = n_block * BLOCK_N, n_own = n0 + 64 * wg;
+
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q, *k = in.k + n0 * p.k_s.row;
+    const float *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const float *lse = in.lse, *delta = in.delta;
+    const SplitScales sc(bp, b);
+
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const long long m_lo = queries.lo, m_hi = queries.hi;
+    const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
+
+    // Q and dO of query tile t into raw stage t % 2 by cp.async, and its lse (log2 units)
+    // and delta (two warpgroups: from registers loaded one request earlier, as in
+    // attention_backward_sm90_tf32.cu)
+    QueryRowStats<BLOCK_M> stats;
+    auto request_q = [&](int t) {
+        const int st = t & 1;
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        if constexpr (WARPGROUPS == 1) {
+            request_query_tile<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, lse_s + st * BLOCK_M,
+                delta_s + st * BLOCK_M, q, dout, lse, delta, bp, m0);
+        } else {
+            request_query_operands<BLOCK_M, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+                q_raw + st * Q_ELEMS, do_raw + st * DO_ELEMS, q, dout, bp, m0);
+            stats.store(lse_s + st * BLOCK_M, delta_s + st * BLOCK_M);
+            if (t + 1 < tiles) stats.load(lse, delta, bp, m0 + BLOCK_M);
+        }
+    };
+    if (tiles > 0) {
+        if constexpr (WARPGROUPS > 1) stats.load(lse, delta, bp, m_lo);
+        request_q(0);
+    }
+    cp_async_commit();  // the first query tile
+    // each warpgroup's 64 keys of K (and V for dK), split through registers meanwhile
+    split_own_tiles<OWNERS, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s, p.seqlen_k - n0,
+                                                        p.head_dim, sc.k);
+    if constexpr (DK || SHARED_KEYS)  // (shared: every thread copies its part for the dK role)
+        split_own_tiles<OWNERS, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s, p.seqlen_k - n0,
+                                                              p.head_dim_v, sc.v);
+    cp_async_wait<0>();  // (the first prepare's barrier orders the own tiles' stores too)
+
+    float dk[DK ? HEAD_DIM / 8 : 1][4], dv[DV ? HEAD_DIM_V / 8 : 1][4];
+    zero(dk);
+    zero(dv);
+    const unsigned k_base = smem_addr(k_s + wg * 2 * K_ELEMS);  // this warpgroup's keys
+    const unsigned v_base = smem_addr(v_s + wg * 2 * V_ELEMS);
+    const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
+    const ScoreConsts<float> consts(p);
+    const float inv_qk[2] = {1.f / sc.q, 1.f / sc.k}, inv_dov[2] = {1.f / sc.dout, 1.f / sc.v};
+
+    using Acc = float[BLOCK_M / 8][4];       // S^T, dP^T: keys x queries
+    using Frag = unsigned[BLOCK_M / 16][4];  // P^T, dS^T as A fragments (hi or lo)
+    auto q_tile = [&](int t) { return q_base + (OVERLAP ? t & 1 : 0) * 2 * Q_ELEMS * 2; };
+    auto do_tile = [&](int t) { return do_base + (OVERLAP ? t & 1 : 0) * 2 * DO_ELEMS * 2; };
+    // tile t's raw stage has landed for this thread: once it has for every thread (and every
+    // thread is done with the split tiles that the writes below replace), the next tile is
+    // requested into the other stage and tile t's split tiles written
+    auto prepare = [&](int t) {
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
+        bar_sync(1, THREADS);
+        if (t + 1 < tiles) request_q(t + 1);
+        cp_async_commit();
+        split_stacked16<BLOCK_M, HEAD_DIM, THREADS>(q_s + buf * 2 * Q_ELEMS, q_raw + st * Q_ELEMS,
+                                                    sc.q);
+        split_stacked16<BLOCK_M, HEAD_DIM_V, THREADS>(do_s + buf * 2 * DO_ELEMS,
+                                                      do_raw + st * DO_ELEMS, sc.dout);
+        fence_proxy_async();   // visible to the tensor cores ...
+        bar_sync(1, THREADS);  // ... once every thread has written its part
+    };
+    // S^T (and dP^T) of the prepared tile, each split term apart, summed once they are done
+    auto scores = [&](int t, Acc& s, Acc& dp) {
+        float s_w[2 * BLOCK_M / 8][4], dp_w[DK ? 2 * BLOCK_M / 8 : 1][4];
+        Acc s_y;
+        float dp_y[DK ? BLOCK_M / 8 : 1][4];
+        stacked_product_ss<BLOCK_M, HEAD_DIM, __half>(s_w, s_y, k_base, K_ELEMS * 2, q_tile(t));
+        if constexpr (DK)
+            stacked_product_ss<BLOCK_M, HEAD_DIM_V, __half>(dp_w, dp_y, v_base, V_ELEMS * 2,
+                                                            do_tile(t));
+        wgmma_commit();
+        wgmma_wait<0>();
+        stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
+        if constexpr (DK)
+            stacked_sum_unscaled(dp, dp_w, dp_y, inv_dov[0], inv_dov[1]);
+        else
+            zero(dp);  // dS is not used
+    };
+    // S^T, dP^T of tile t done: P^T and dS^T, their split fragments, and tile t's dV and dK
+    // issued into the fresh accumulators (the fragments stay untouched until they are done)
+    auto grads = [&](int t, Acc& s, Acc& dp, Frag& p_hi, Frag& p_lo, Frag& ds_hi, Frag& ds_lo,
+                     float (&dv_t)[DV ? HEAD_DIM_V / 8 : 1][4],
+                     float (&dk_t)[DK ? HEAD_DIM / 8 : 1][4]) {
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        const int st = t & 1;
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n_own, 64);
+        const float* lse_t = lse_s + st * BLOCK_M;
+        const float* delta_t = delta_s + st * BLOCK_M;
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n_own + warp * 16, m0, lane, interior,
+                                      in.mask, in.bias, [&](int j, int e) {
+                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                                          return make_float2(lse_t[col], delta_t[col]);
+                                      });
+        if constexpr (DV) {
+            split_fragments<BLOCK_M>(p_hi, p_lo, s, P_SCALE);
+            split_product_ra16<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, do_tile(t));
+        }
+        if constexpr (DK) {
+            split_fragments<BLOCK_M>(ds_hi, ds_lo, dp, sc.ds);
+            split_product_ra16<HEAD_DIM, BLOCK_M>(dk_t, ds_hi, ds_lo, q_tile(t));
+        }
+        wgmma_commit();
+    };
+
+    if (tiles > 0) prepare(0);
+    // OVERLAP: tile t + 1 is prepared (split) while the tensor cores run tile t's dV and dK.
+    // Every wgmma is issued outside a branch, and each tile's accumulators and fragments are
+    // the loop body's own (nothing of them lives across iterations).
+    for (int t = 0; t < tiles; ++t) {
+        Acc s, dp;
+        scores(t, s, dp);
+        Frag p_hi, p_lo, ds_hi, ds_lo;
+        float dv_t[DV ? HEAD_DIM_V / 8 : 1][4], dk_t[DK ? HEAD_DIM / 8 : 1][4];
+        grads(t, s, dp, p_hi, p_lo, ds_hi, ds_lo, dv_t, dk_t);
+        if constexpr (!OVERLAP) {
+            wgmma_wait<0>();
+            if constexpr (DV) add_into(dv, dv_t);
+            if constexpr (DK) add_into(dk, dk_t);
+        }
+        if (t + 1 < tiles) {
+            cp_async_wait<0>();  // tile t + 1 (requested by prepare(t)) has landed
+            prepare(t + 1);
+        }
+        if constexpr (OVERLAP) {
+            wgmma_wait<0>();
+            if constexpr (DV) add_into(dv, dv_t);
+            if constexpr (DK) add_into(dk, dk_t);
+        }
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
+
+    const long long row0 = n_own + warp * 16;
+    if constexpr (DK) {
+        float* dk_out = reinterpret_cast<float*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+        scale_by(dk, 1.f / sc.ds, 1.f / sc.q);
+        store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+                   float(p.scale));
+    }
+    if constexpr (DV) {
+        float* dv_out = reinterpret_cast<float*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+        scale_by(dv, 1.f / P_SCALE, 1.f / sc.dout);
+        store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane,
+                   1.f);
+    }
+}
+
+}  // namespace
+
+// attention_bwd_magnitudes: rows per block (two a warp), and the widest head dim it reads
+// (the family's)
+constexpr int MAG_THREADS = 256, MAG_ROWS = 16, MAG_COLS = 128;
+
+// The largest finite |q|, |k|, |v|, |dout|, |out| of each batch entry into
+// bp.magnitudes[b * 5 + Magnitude] (zeroed by the caller): block (chunk c, entry b) takes
+// rows c * MAG_ROWS .. of q, dout and out (below Sq) and of k and v (below Sk).
+// bp.num_row_blocks: chunks per entry.
+__global__ void __launch_bounds__(MAG_THREADS) attention_bwd_magnitudes(const AttnBwdParams bp) {
+    const AttnParams& p = bp.f;
+    // 32-bit: a grid has fewer than 2^31 blocks; the batch entry's three indices computed
+    // once (64-bit divisions are a subroutine call each)
+    const unsigned chunks = (unsigned)bp.num_row_blocks;
+    const long long b = blockIdx.x / chunks, r0 = (long long)(blockIdx.x % chunks) * MAG_ROWS;
+    const long long b2 = b % p.batch2, b01 = b / p.batch2, b1 = b01 % p.batch1, b0 = b01 / p.batch1;
+    auto entry = [&](long long base, const Strides& s) {
+        return reinterpret_cast<const float*>(base) + (b0 * s.b0 + b1 * s.b1 + b2 * s.b2);
+    };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float *q = entry(p.q, p.q_s), *k = entry(p.k, p.k_s), *v = entry(p.v, p.v_s);
+    const float *out = entry(p.out, p.out_s), *dout = entry(bp.dout, bp.dout_s);
+    // one running maximum per tensor (named, not an array: no local memory)
+    float mq = 0.f, mk = 0.f, mv = 0.f, mdo = 0.f, mo = 0.f;
+    auto take = [](float& m, float x) {
+        if (isfinite(x)) m = fmaxf(m, fabsf(x));
+    };
+    // a warp's loads of a row all issued before their maxima are taken (a loop that took
+    // each load's maximum in turn waited for memory once per load: 0.6 ms for B4 H32 S4096
+    // D64, 0.45 with the rows merely unrolled)
+    for (int i = 0; i < MAG_ROWS / (MAG_THREADS / 32); ++i) {
+        const long long r = r0 + warp + i * (MAG_THREADS / 32);
+        const bool in_q = r < p.seqlen_q, in_k = r < p.seqlen_k;
+        float x[5][MAG_COLS / 32];
+#pragma unroll
+        for (int j = 0; j < MAG_COLS / 32; ++j) {
+            const long long c = lane + 32 * j;
+            const bool d = c < p.head_dim, dv = c < p.head_dim_v;
+            x[0][j] = in_q && d ? q[r * p.q_s.row + c * p.q_s.col] : 0.f;
+            x[1][j] = in_q && dv ? dout[r * bp.dout_s.row + c * bp.dout_s.col] : 0.f;
+            x[2][j] = in_q && dv ? out[r * p.out_s.row + c * p.out_s.col] : 0.f;
+            x[3][j] = in_k && d ? k[r * p.k_s.row + c * p.k_s.col] : 0.f;
+            x[4][j] = in_k && dv ? v[r * p.v_s.row + c * p.v_s.col] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < MAG_COLS / 32; ++j) {
+            take(mq, x[0][j]);
+            take(mdo, x[1][j]);
+            take(mo, x[2][j]);
+            take(mk, x[3][j]);
+            take(mv, x[4][j]);
+        }
+    }
+    __shared__ float part[MAGS][MAG_THREADS / 32];
+    auto reduce = [&](float m, int i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) part[i][warp] = m;
+    };
+    reduce(mq, MAG_Q);
+    reduce(mk, MAG_K);
+    reduce(mv, MAG_V);
+    reduce(mdo, MAG_DOUT);
+    reduce(mo, MAG_OUT);
+    __syncthreads();
+    if (threadIdx.x < MAGS) {
+        float x = 0.f;
+        for (int w = 0; w < MAG_THREADS / 32; ++w) x = fmaxf(x, part[threadIdx.x][w]);
+        atomicMax(reinterpret_cast<unsigned*>(bp.magnitudes) + b * MAGS + threadIdx.x,
+                  __float_as_uint(x));
+    }
+}
+
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS, int ROLES>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
+    attention_bwd_dkdv_sm90_3xf16(const AttnBwdParams bp) {
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_M == 32 || BLOCK_M == 64) && (WARPGROUPS == 1 || WARPGROUPS == 2) &&
+                      (ROLES == 1 || ROLES == 2 || (ROLES == 3 && WARPGROUPS == 2)),
+                  "wgmma shapes of wgmma.cuh");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // heaviest key blocks first: under causal masking the first keys are seen by the most rows
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    constexpr bool SHARED = ROLES == 3;
+    if constexpr (ROLES == 1) {
+        dkdv_3xf16<true, true, false, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
+                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+    } else if (ROLES == 2 ? blk.col_tile == 0 : threadIdx.x < 128) {
+        dkdv_3xf16<true, false, SHARED, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
+                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+    } else {
+        dkdv_3xf16<false, true, SHARED, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
+                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+    }
+}
+
+template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, bool ALIGNED,
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
+    attention_bwd_dq_sm90_3xf16(const AttnBwdParams bp) {
+    constexpr int THREADS = 128 * WARPGROUPS, BLOCK_M = 64 * WARPGROUPS;  // 64 rows a warpgroup
+    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
+                      (BLOCK_N == 32 || BLOCK_N == 64) && (WARPGROUPS == 1 || WARPGROUPS == 2),
+                  "wgmma shapes of wgmma.cuh");
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, DO_ELEMS = 64 * HEAD_DIM_V;  // one warpgroup's rows
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    constexpr int BUFS = OVERLAP ? 2 : 1;
+    const AttnParams& p = bp.f;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __half* q_s = reinterpret_cast<__half*>(smem_raw);  // [WARPGROUPS][hi, lo][64 x HEAD_DIM]
+    __half* do_s = q_s + WARPGROUPS * 2 * Q_ELEMS;       // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
+    float* k_raw = reinterpret_cast<float*>(do_s + WARPGROUPS * 2 * DO_ELEMS);  // [2][BLOCK_N x D]
+    float* v_raw = k_raw + 2 * K_ELEMS;                  // [2 stages][BLOCK_N x HEAD_DIM_V]
+    __half* k_s = reinterpret_cast<__half*>(v_raw + 2 * V_ELEMS);  // [BUFS][2 BLOCK_N x D]
+    __half* v_s = k_s + BUFS * 2 * K_ELEMS;              // [BUFS][2 BLOCK_N x HEAD_DIM_V]
+
+    // warpgroup wg owns rows m0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them)
+    const int wg = WARPGROUPS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int warp = WARPGROUPS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % 4;
+    // heaviest query blocks first: under causal masking the last rows see the most keys
+    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
+                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const long long m_block = blk.row_block, b = blk.b;
+    const long long m0 = m_block * BLOCK_M, m_own = m0 + 64 * wg;
+
+    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
+    const float *q = in.q + m0 * p.q_s.row, *k = in.k;
+    const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
+    const float *lse = in.lse, *delta = in.delta;
+    const SplitScales sc(bp, b);
+
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const long long n_lo = keys.lo, n_hi = keys.hi;
+    const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
+
+    auto request_kv = [&](int t) {  // key tile t into raw stage t % 2
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
+            k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, k, v,
+            n_lo + (long long)t * BLOCK_N, p, Sw128<BLOCK_N, 4>(), Sw128<BLOCK_N, 4>());
+    };
+    if (tiles > 0) request_kv(0);
+    cp_async_commit();  // the first key tile
+    // each warpgroup's 64 rows of Q and dO, split through registers meanwhile
+    split_own_tiles<WARPGROUPS, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s, p.seqlen_q - m0,
+                                                            p.head_dim, sc.q);
+    split_own_tiles<WARPGROUPS, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s,
+                                                              p.seqlen_q - m0, p.head_dim_v,
+                                                              sc.dout);
+    cp_async_wait<0>();
+
+    // this lane's two rows (g and g + 8 of the warp's 16)
+    float lse_log2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = m_own + warp * 16 + lane / 4 + 8 * h;
+        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
+        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+    float dq[HEAD_DIM / 8][4];
+    zero(dq);
+    const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS);  // this warpgroup's rows
+    const unsigned do_base = smem_addr(do_s + wg * 2 * DO_ELEMS);
+    const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
+    const ScoreConsts<float> consts(p);
+    const float inv_qk[2] = {1.f / sc.q, 1.f / sc.k}, inv_dov[2] = {1.f / sc.dout, 1.f / sc.v};
+
+    using Acc = float[BLOCK_N / 8][4];       // S, dP: queries x keys
+    using Frag = unsigned[BLOCK_N / 16][4];  // dS as A fragments (hi or lo)
+    auto k_tile = [&](int t) { return k_base + (OVERLAP ? t & 1 : 0) * 2 * K_ELEMS * 2; };
+    auto v_tile = [&](int t) { return v_base + (OVERLAP ? t & 1 : 0) * 2 * V_ELEMS * 2; };
+    // as in the dK/dV kernel: key tile t landed here; the next requested, t's tiles written
+    auto prepare = [&](int t) {
+        const int st = t & 1, buf = OVERLAP ? t & 1 : 0;
+        __syncthreads();
+        if (t + 1 < tiles) request_kv(t + 1);
+        cp_async_commit();
+        split_stacked16<BLOCK_N, HEAD_DIM, THREADS>(k_s + buf * 2 * K_ELEMS, k_raw + st * K_ELEMS,
+                                                    sc.k);
+        split_stacked16<BLOCK_N, HEAD_DIM_V, THREADS>(v_s + buf * 2 * V_ELEMS,
+                                                      v_raw + st * V_ELEMS, sc.v);
+        fence_proxy_async();  // visible to the tensor cores ...
+        __syncthreads();      // ... once every thread has written its part
+    };
+    auto scores = [&](int t, Acc& s, Acc& dp) {  // S, dP of the prepared tile, as in dK/dV
+        float s_w[2 * BLOCK_N / 8][4], dp_w[2 * BLOCK_N / 8][4];
+        Acc s_y, dp_y;
+        stacked_product_ss<BLOCK_N, HEAD_DIM, __half>(s_w, s_y, q_base, Q_ELEMS * 2, k_tile(t));
+        stacked_product_ss<BLOCK_N, HEAD_DIM_V, __half>(dp_w, dp_y, do_base, DO_ELEMS * 2,
+                                                        v_tile(t));
+        wgmma_commit();
+        wgmma_wait<0>();
+        stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
+        stacked_sum_unscaled(dp, dp_w, dp_y, inv_dov[0], inv_dov[1]);
+    };
+    // S, dP of tile t done: dS, its split fragments, tile t's dQ issued
+    auto grads = [&](int t, Acc& s, Acc& dp, Frag& ds_hi, Frag& ds_lo,
+                     float (&dq_t)[HEAD_DIM / 8][4]) {
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        const bool interior = !HAS_MASK && tile_is_interior(p, m_own, 64, n0, BLOCK_N);
+        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m_own + warp * 16, n0, lane, interior,
+                                       in.mask, in.bias, [&](int, int e) {
+                                           return make_float2(lse_log2[e / 2], dl[e / 2]);
+                                       });
+        split_fragments<BLOCK_N>(ds_hi, ds_lo, dp, sc.ds);
+        split_product_ra16<HEAD_DIM, BLOCK_N>(dq_t, ds_hi, ds_lo, k_tile(t));
+        wgmma_commit();
+    };
+
+    if (tiles > 0) prepare(0);
+    for (int t = 0; t < tiles; ++t) {  // as in the dK/dV kernel
+        Acc s, dp;
+        scores(t, s, dp);
+        Frag ds_hi, ds_lo;
+        float dq_t[HEAD_DIM / 8][4];  // this tile's dQ
+        grads(t, s, dp, ds_hi, ds_lo, dq_t);
+        if constexpr (!OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
+        if (t + 1 < tiles) {
+            cp_async_wait<0>();
+            prepare(t + 1);
+        }
+        if constexpr (OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
+    }
+    cp_async_wait<0>();
+
+    float* dq_out = reinterpret_cast<float*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);
+    scale_by(dq, 1.f / sc.ds, 1.f / sc.k);
+    store_tile(dq, dq_out, bp.dq_s.row, bp.dq_s.col, m_own + warp * 16, p.seqlen_q, p.head_dim,
+               lane, float(p.scale));
+}
