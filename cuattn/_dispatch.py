@@ -69,6 +69,14 @@ FAMILIES = (
            "float32 with precision='tf32' on Hopper warpgroup MMA (wgmma .tf32, sm_90a), head "
            "dims to 128 (registers and shared memory of the float tiles); sm_90a code runs on "
            "sm_90 only", precisions=("tf32",), archs=((9, 0),)),
+    Family("sm90_3xf16", "attention_sm90_3xf16.cu", (9, 0), ("float32",), 128,
+           "float32 with precision='highest' on Hopper's float16 warpgroup MMA: the 3xTF32 "
+           "split's values scaled by powers of two into float16 (attention_fwd_magnitudes "
+           "first), the forward of the sm90_3xf16 backward, whose recomputed scores must "
+           "be these scores; head dims to 128. Before sm90_3xtf32 for the backward's sake "
+           "(docs/kernels.rst, twentieth session): its own speed is 0.78x / 0.96x the TF32 "
+           "split's piped instance at D64 / D128 (B4 H16 S4096), with a fifth of its extra "
+           "memory", precisions=("highest",), archs=((9, 0),)),
     Family("sm90_3xtf32", "attention_sm90_tf32.cu", (9, 0), ("float32",), 128,
            "float32 with precision='highest' on Hopper warpgroup MMA by the 3xTF32 split (three "
            "TF32 products per product, small terms first, P V per key tile added in float32), "
@@ -175,6 +183,9 @@ class KernelChoice:
     prepared: KernelChoice | None = None
     prepare_from: int = 0
     prepare: bool = False
+    #: a kernel run first that writes the largest magnitudes of each batch entry's q, k and
+    #: v into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
+    magnitudes: str | None = None
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -503,6 +514,41 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
                         prepare_from=tiles.prepare_from)
 
 
+#: sm90_3xf16 forward: (largest head dim, candidate tiles, reason). ptxas (sm_90a), no
+#: spills: D64 64-key tiles, two warpgroups 213 registers; D128 32-key tiles 225.
+SM90_3XF16_TILES = (
+    (64, (Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
+     "H200 B4 H16 S4096 (python -m cuattn bench --suite fp32, session 20): two warpgroups, "
+     "64-key tiles, 94.0-95.9 / 88.7 TFLOP/s (non-causal / causal), against the TF32 "
+     "split's piped instance 120.2 / 107.8 in the same session; not swept yet"),
+    (128, (Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
+     "H200 B4 H16 S4096 (same runs): two warpgroups, 32-key tiles, 106.9-107.2 / "
+     "98.4-100.4 against the TF32 split's 111.8 / 98.0; not swept yet"),
+)
+
+
+def sm90_3xf16_smem_bytes(tiles: Sm90Tiles, hd: int, hdv: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90_3xf16 (the .cu header)."""
+    bn = tiles.block_n
+    return ((tiles.block_m // 64) * 2 * 64 * hd + 2 * bn * (hd + hdv)) * 2 + 2 * bn * (hd + hdv) * 4
+
+
+def _sm90_3xf16(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool, aligned: bool,
+                smem_limit: int, tiles: Sm90Tiles | None = None):
+    head = max(head_dim, head_dim_v)
+    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
+    candidates = (tiles,) if tiles is not None else next(
+        c for max_d, c, _ in SM90_3XF16_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: sm90_3xf16_smem_bytes(t, hd, hdv),
+                             smem_limit, "sm90_3xf16", f"head dims {head_dim}, {head_dim_v}")
+    expr = (f"attention_fwd_sm90_3xf16<{_bias_type(bias_dtype)}, {str(has_mask).lower()}, "
+            f"{hd}, {hdv}, {tiles.block_n}, {tiles.block_m // 64}, {str(aligned).lower()}, "
+            f"{tiles.min_blocks}>")
+    return KernelChoice("sm90_3xf16", "attention_sm90_3xf16.cu", expr,
+                        Tiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.num_warps * 32, magnitudes="attention_fwd_magnitudes")
+
+
 def mma_aligned(call: AttentionCall) -> bool:
     """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
     chunks? Unit column strides, every other
@@ -641,6 +687,9 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
         if family.name in ("sm90", "sm90_tf32", "sm90_3xtf32"):
             return _sm90(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                          aligned, smem_limit, tiles)
+        if family.name == "sm90_3xf16":
+            return _sm90_3xf16(head_dim, head_dim_v, bias_dtype, has_mask, aligned, smem_limit,
+                               tiles)
         if family.name == "mma":
             return _mma(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                         smem_limit, tiles)
@@ -663,6 +712,19 @@ BACKWARD_FAMILIES = (
     Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
            "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
            "dK, dV and dQ into 64- or 128-column tiles (registers)"),
+    # first (session 20): 1.5x (D64) and 2.7x (D128) the TF32 splits' speed on an H200, and
+    # with the sm90_3xf16 forward's out and lse (the same products summed the same way) its
+    # gradients stay within 0.56x the accuracy bound for logits up to 256x those of
+    # unit-variance inputs, where the TF32 pair reached 1.4-2.1x (docs/kernels.rst,
+    # twentieth session). Given the TF32 forward's lse instead it exceeds the bound from
+    # about 16-64x (the two forwards' scores differ in the tensor cores' rounding).
+    Family("sm90_3xf16", "attention_backward_sm90_3xf16.cu", (9, 0), ("float32",), 128,
+           "float32 \"highest\" on Hopper's float16 warpgroup MMA (wgmma .f16, sm_90a): the "
+           "3xTF32 split's hi and lo parts (the same values) scaled by powers of two into "
+           "float16, so every product runs at the 16-bit rate and the gradient products read "
+           "the split tiles as stored (no transposed copies); head dims to 128 (128: dK and "
+           "dV by the two warpgroups of a block, registers)",
+           precisions=("highest",), archs=((9, 0),)),
     # before mma_3xtf32: at head dim 64 on the H200 the two-warpgroup form ran the backward
     # of B4 H32 S4096 at 50.7 / 47.7 TFLOP/s (non-causal / causal) against mma_3xtf32's
     # 38.3 / 36.9 (docs/kernels.rst, seventeenth session); wider heads go on to mma_3xtf32
@@ -681,19 +743,6 @@ BACKWARD_FAMILIES = (
            "two variants of the split measured 1.11x and 1.76x the accuracy bound",
            precisions=("highest",),
            archs=((9, 0),)),
-    # after the TF32 splits, so reached only when forced (kernel="sm90_3xf16"): twice as
-    # fast, but its recomputed scores are not the TF32 forward's to the last bit, and P =
-    # exp(S - lse) shows it once the logits grow: gradients at up to 1.2-1.6x the accuracy
-    # bound with q scaled by 64-256 at D64 and 16-64 at D128, where the TF32 splits stay
-    # under 0.6x (docs/kernels.rst, twentieth session). Default once a forward of the same
-    # split computes the lse.
-    Family("sm90_3xf16", "attention_backward_sm90_3xf16.cu", (9, 0), ("float32",), 128,
-           "float32 \"highest\" on Hopper's float16 warpgroup MMA (wgmma .f16, sm_90a): the "
-           "3xTF32 split's hi and lo parts (the same values) scaled by powers of two into "
-           "float16, so every product runs at the 16-bit rate and the gradient products read "
-           "the split tiles as stored (no transposed copies); head dims to 128 (128: dK and "
-           "dV by the two warpgroups of a block, registers)",
-           precisions=("highest",), archs=((9, 0),)),
     Family("mma_f32", "attention_backward_mma_f32.cu", (8, 0), ("float32",), 128,
            "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
            "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
@@ -1268,6 +1317,8 @@ def forward_instances(arch: str):
                                 split = str(family.name == "sm90_3xtf32").lower()
                                 for kernel in ("tf32_image_k", "tf32_image_vt"):
                                     seen[(choice.filename, f"{kernel}<{split}>")] = True
+                            if choice.magnitudes is not None:
+                                seen[(choice.filename, choice.magnitudes)] = True
                             for c in variants:
                                 key = (c.filename, c.name_expression)
                                 seen[key] = seen.get(key, False) or fast

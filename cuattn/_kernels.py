@@ -102,7 +102,8 @@ def read_source(filename: str, directory: Path | None = None) -> str:
 ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a", "attention_sm90_tf32.cu": "sm_90a",
                  "attention_backward_sm90.cu": "sm_90a",
                  "attention_backward_sm90_tf32.cu": "sm_90a",
-                 "attention_backward_sm90_3xf16.cu": "sm_90a"}
+                 "attention_backward_sm90_3xf16.cu": "sm_90a",
+                 "attention_sm90_3xf16.cu": "sm_90a"}
 
 
 def nvrtc_options(arch: str | None = None, filename: str | None = None) -> tuple[str, ...]:
@@ -184,18 +185,23 @@ ATTN_PARAMS_DTYPE = np.dtype(
                              "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "window_left",
                              "window_right", "num_m_blocks", "num_dv_tiles")]
     + [("scale", np.float64), ("softcap", np.float64)]
-    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")],
+    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")]
+    + [("magnitudes", np.int64)],
     align=True)
 _POINTERS_STRUCT = struct.Struct("<7q")
-_PARAMS_TAIL_STRUCT = struct.Struct("<10q2d35q")
+_PARAMS_TAIL_STRUCT = struct.Struct("<10q2d35qq")
+#: byte offset of the magnitudes field (the last), which a ForwardLaunch may write per call
+_MAGNITUDES_OFFSET = ATTN_PARAMS_DTYPE.fields["magnitudes"][1]
+_MAGNITUDES_STRUCT = struct.Struct("<q")
 assert _POINTERS_STRUCT.size + _PARAMS_TAIL_STRUCT.size == ATTN_PARAMS_DTYPE.itemsize
 
 
-def attn_params_tail(ints: list[int], scale: float, softcap: float, strides: list[int]) -> bytes:
+def attn_params_tail(ints: list[int], scale: float, softcap: float, strides: list[int],
+                     magnitudes: int = 0) -> bytes:
     """The AttnParams block after its seven pointers, packed: ``ints`` are the ten integer
-    fields batch1 .. num_dv_tiles. A call signature's launch plan keeps these bytes, and each
-    call adds its pointers (:func:`attn_params`)."""
-    return _PARAMS_TAIL_STRUCT.pack(*ints, scale, softcap, *strides)
+    fields batch1 .. num_dv_tiles, ``magnitudes`` the last field. A call signature's launch
+    plan keeps these bytes, and each call adds its pointers (:func:`attn_params`)."""
+    return _PARAMS_TAIL_STRUCT.pack(*ints, scale, softcap, *strides, magnitudes)
 
 
 def attn_params(pointers: list[int], tail: bytes) -> np.void:
@@ -227,10 +233,12 @@ class KeptLaunch:
         self._dims = (*grid, threads, shared_mem)
         self._lock = threading.Lock()
 
-    def __call__(self, pointers, stream_ptr: int) -> None:
+    def __call__(self, pointers, stream_ptr: int, magnitudes: int | None = None) -> None:
         grid_x, grid_y, threads, shared_mem = self._dims
         with self._lock:
             self._pack(self._bytes, 0, *pointers)
+            if magnitudes is not None:  # a ForwardLaunch's per-call magnitudes (sm90_3xf16)
+                _MAGNITUDES_STRUCT.pack_into(self._bytes, _MAGNITUDES_OFFSET, magnitudes)
             self._launch(self._function, grid_x, grid_y, 1, threads, 1, 1, shared_mem,
                          stream_ptr, self._argv_ptr, 0)
 
@@ -251,10 +259,9 @@ ATTN_BWD_PARAMS_DTYPE = np.dtype(
     + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
                                "num_col_tiles")]
     + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")]
-    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles",
-                               "magnitudes")],
+    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles")],
     align=True)
-_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35q7q25q5q")
+_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35qq7q25q4q")
 assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
 
 
@@ -266,10 +273,11 @@ def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides:
     :func:`attn_params_tail`), then
     ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles),
     ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv) and ``fused`` (the fused
-    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles), then ``magnitudes``
-    (the device address of the sm90_3xf16 kernels' largest magnitudes per batch entry)."""
-    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, *bwd_ints, *bwd_strides,
-                                       *fused, magnitudes)
+    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles); ``magnitudes`` is the
+    forward block's last field (the sm90_3xf16 kernels' largest magnitudes per batch entry,
+    a device address)."""
+    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, magnitudes, *bwd_ints,
+                                       *bwd_strides, *fused)
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
 
 

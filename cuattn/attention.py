@@ -447,6 +447,8 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
             plan = _prepared_plan(call, choice, out, lse)
         else:
             plan = _forward_plan(call, choice, out, lse)
+            if choice.magnitudes is not None:  # every launch after its magnitudes kernel
+                plan = (_MagnitudesLaunch(call, choice, plan[0], out, lse), plan[1])
         if plan[1] is None:  # plans with a launch loop hold pointers: not kept
             if len(_forward_plans) >= _MAX_PLANS:
                 _forward_plans.clear()
@@ -502,6 +504,29 @@ def _prepared_plan(call: AttentionCall, choice, out, lse):
     for pointers in pointer_sets:
         launch(pointers, stream)
     return launch, []  # launched: nothing left for the caller, and not kept
+
+
+class _MagnitudesLaunch:
+    """A forward launch that needs its call's largest magnitudes (sm90_3xf16): per call, a
+    zeroed float[entries][5] (CuPy's pool, on the stream of the launches), the magnitudes
+    kernel (MAGNITUDE_ROWS rows of q, k and v per block), then the forward, each with the
+    buffer's address in its parameter block. Called as a ForwardLaunch."""
+
+    def __init__(self, call: AttentionCall, choice, launch, out, lse):
+        cupy = call.xp
+        extents, strides, _ = _layout(call.batch_shape, _forward_tensors(call, out, lse))
+        self._entries = math.prod(extents)
+        chunks = -(-max(call.seqlen_q, call.seqlen_k) // MAGNITUDE_ROWS)
+        tail = attn_params_tail(_sizes(call, extents, chunks, 1), call.scale, call.softcap,
+                                strides)
+        fn = get_kernel(choice.filename, choice.magnitudes)
+        self._magnitudes = ForwardLaunch(fn, chunks * self._entries, 256, 0, tail)
+        self._zeros, self._launch = cupy.zeros, launch
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        buf = self._zeros(self._entries * 5, np.float32)
+        self._magnitudes(pointers, stream_ptr, buf.data.ptr)
+        self._launch(pointers, stream_ptr, buf.data.ptr)
 
 
 class _PreparedLaunch:

@@ -14,8 +14,11 @@
 //             lo). float16 holds 11 significant bits too, so hi * s and lo * s are float16
 //             values for a power of two s that puts the operand's largest magnitude in
 //             [2^14, 2^15): the products are those of 3xTF32 times s_a s_b (exact), taken out
-//             again by exact multiplies. So the recomputed scores carry the same split errors
-//             as the sm90_3xtf32 forward's, which cancel in P = exp(S - lse). Where lo * s falls
+//             again by exact multiplies. The recomputed scores are the sm90_3xf16 forward's
+//             (attention_sm90_3xf16.cu: the same products, summed the same way, with the same
+//             scales), so their errors cancel in P = exp(S - lse); against the sm90_3xtf32
+//             forward's lse they do not once the logits grow (the tensor cores round float16
+//             and TF32 products differently: docs/kernels.rst, twentieth session). Where lo * s falls
 //             below float16's normal range (|x| below 2^-16 of the largest magnitude of its
 //             operand) lo keeps fewer bits: an absolute error under 2^-38 of that magnitude.
 //             Scales per batch entry (attention_bwd_magnitudes: the largest finite |q|, |k|,
@@ -69,7 +72,7 @@
 //             (Sw128<ROWS, 4>). cuattn/_dispatch.py::sm90_3xf16_backward_smem_bytes computes
 //             the same numbers.
 #include "backward.cuh"
-#include "sm90_tiles.cuh"
+#include "split16.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
@@ -77,181 +80,7 @@ using namespace cuattn::sm90;
 
 namespace {
 
-constexpr int MAGS = 5;  // per batch entry, in this order:
-enum Magnitude { MAG_Q, MAG_K, MAG_V, MAG_DOUT, MAG_OUT };
-constexpr float P_SCALE = 32768.f;  // P <= 1 (to rounding) times 2^15 stays below 65504
-
-// The power of two that puts a largest magnitude m in [2^14, 2^15) (exponent clamped to
-// [-100, 100]); 1 for m = 0 (an entry of zeros) or a non-finite m.
-__device__ __forceinline__ float range_scale(float m) {
-    if (!(m > 0.f) || !isfinite(m)) return 1.f;
-    return ldexpf(1.f, 14 - max(-100, min(100, ilogbf(m))));
-}
-
-// x's 3xTF32 parts (split_tf32: hi to nearest, lo as the TF32 instruction reads it, toward
-// zero) times the power of two s, as float16
-__device__ __forceinline__ void split_f16(float x, float s, __half& hi, __half& lo) {
-    float h, l;
-    split_tf32(x, h, l);
-    hi = __float2half_rn(h * s);  // 11 significant bits: exact in the normal range
-    lo = __float2half_rz(l * s);
-}
-__device__ __forceinline__ void split_f16x2(float x0, float x1, float s, unsigned& hi,
-                                            unsigned& lo) {
-    __half h0, l0, h1, l1;
-    split_f16(x0, s, h0, l0);
-    split_f16(x1, s, h1, l1);
-    __half2 h = __halves2half2(h0, h1), l = __halves2half2(l0, l1);
-    hi = *reinterpret_cast<unsigned*>(&h);
-    lo = *reinterpret_cast<unsigned*>(&l);
-}
-
-// The split of a ROWS x COLS raw float tile (Sw128<ROWS, 4>) into one stacked float16 tile of
-// 2 ROWS rows (Sw128<2 ROWS, 2>): hi * s in rows 0 .. ROWS - 1, lo * s in rows ROWS .. 2 ROWS -
-// 1, so that one product reads [X_hi; X_lo] as a B operand of twice the width and the
-// gradient products read either half N-contiguous. Thread i takes 4-column chunks i, i +
-// THREADS, ..., consecutive threads along a row (four 128-byte reads and two 128-byte
-// writes per warp and step).
-template <int ROWS, int COLS, int THREADS>
-__device__ __forceinline__ void split_stacked16(__half* dst, const float* raw, float s) {
-    constexpr int C4 = COLS / 4;
-    static_assert(ROWS * C4 % THREADS == 0, "whole steps");
-#pragma unroll
-    for (int i = 0; i < ROWS * C4 / THREADS; ++i) {
-        const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
-        const float4 x = *reinterpret_cast<const float4*>(raw + Sw128<ROWS, 4>()(r, c));
-        uint2 h, l;
-        split_f16x2(x.x, x.y, s, h.x, l.x);
-        split_f16x2(x.z, x.w, s, h.y, l.y);
-        *reinterpret_cast<uint2*>(dst + Sw128<2 * ROWS, 2>()(r, c)) = h;
-        *reinterpret_cast<uint2*>(dst + Sw128<2 * ROWS, 2>()(r + ROWS, c)) = l;
-    }
-}
-
-// A block's stationary operand, 64 rows a warpgroup: warpgroup g's rows g * 64 .. of a
-// (`rows` rows left from a's first, `cols` columns; rows and columns past them are zeros)
-// split into its hi tile at dst + g * 2 * 64 * COLS and lo tile 64 * COLS halves on
-// (Sw128<64, 2>), for the tensor cores' A operand. Loaded from global memory into registers
-// (all of a thread's loads in flight before its first split), once per block.
-template <int WARPGROUPS, int COLS, int THREADS, bool ALIGNED>
-__device__ __forceinline__ void split_own_tiles(__half* dst, const float* a, const Strides& str,
-                                                long long rows, long long cols, float s) {
-    constexpr int C4 = COLS / 4, PER = 64 * C4 / THREADS;
-    static_assert(64 * C4 % THREADS == 0, "whole steps");
-#pragma unroll
-    for (int g = 0; g < WARPGROUPS; ++g) {
-        float4 x[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
-            const long long row = 64 * g + r;
-            x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (row >= rows) continue;
-            const float* src = a + row * str.row;
-            if (ALIGNED && c + 4 <= cols) {
-                x[i] = *reinterpret_cast<const float4*>(src + c);
-            } else {
-                float e[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (c + j < cols) e[j] = src[(c + j) * str.col];
-                x[i] = make_float4(e[0], e[1], e[2], e[3]);
-            }
-        }
-        __half* hi = dst + g * 2 * 64 * COLS;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int idx = threadIdx.x + i * THREADS, r = idx / C4, c = idx % C4 * 4;
-            uint2 h, l;
-            split_f16x2(x[i].x, x[i].y, s, h.x, l.x);
-            split_f16x2(x[i].z, x[i].w, s, h.y, l.y);
-            *reinterpret_cast<uint2*>(hi + Sw128<64, 2>()(r, c)) = h;
-            *reinterpret_cast<uint2*>(hi + 64 * COLS + Sw128<64, 2>()(r, c)) = l;
-        }
-    }
-}
-
-// X (64 x ROWS, m16n8 accumulator layout) times the power of two s, split, as the hi and lo
-// A fragments of a 16-bit register-A product (pack_a's order)
-template <int ROWS>
-__device__ __forceinline__ void split_fragments(unsigned (&hi)[ROWS / 16][4],
-                                                unsigned (&lo)[ROWS / 16][4],
-                                                const float (&x)[ROWS / 8][4], float s) {
-#pragma unroll
-    for (int kk = 0; kk < ROWS / 16; ++kk) {
-        split_f16x2(x[2 * kk][0], x[2 * kk][1], s, hi[kk][0], lo[kk][0]);
-        split_f16x2(x[2 * kk][2], x[2 * kk][3], s, hi[kk][1], lo[kk][1]);
-        split_f16x2(x[2 * kk + 1][0], x[2 * kk + 1][1], s, hi[kk][2], lo[kk][2]);
-        split_f16x2(x[2 * kk + 1][2], x[2 * kk + 1][3], s, hi[kk][3], lo[kk][3]);
-    }
-}
-
-// acc (64 x N) (+)= X Z, X (64 x ROWS) as A fragments and Z the stacked split tile z_tile
-// (2 ROWS rows: hi, then lo; 64-column groups 2 ROWS * 128 bytes apart) read N-contiguous
-template <int N, int ROWS>
-__device__ __forceinline__ void product_ra16(float (&acc)[N / 8][4], const unsigned (&a)[ROWS / 16][4],
-                                             unsigned z_tile, bool accumulate) {
-#pragma unroll
-    for (int kk = 0; kk < ROWS / 16; ++kk)
-        Wgmma<N, __half>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, 2 * ROWS * 128),
-                             accumulate || kk > 0);
-}
-
-// acc (64 x N) = X Z by the split into fresh accumulators, small terms first: X_hi Z_lo,
-// X_lo Z_hi, X_hi Z_hi. Fences and issues; the caller commits, waits and keeps the fragments
-// until then.
-template <int N, int ROWS>
-__device__ __forceinline__ void split_product_ra16(float (&acc)[N / 8][4],
-                                                   const unsigned (&hi)[ROWS / 16][4],
-                                                   const unsigned (&lo)[ROWS / 16][4],
-                                                   unsigned z_stacked) {
-    wgmma_fence();
-    product_ra16<N, ROWS>(acc, hi, z_stacked + ROWS * 128, false);
-    product_ra16<N, ROWS>(acc, lo, z_stacked, true);
-    product_ra16<N, ROWS>(acc, hi, z_stacked, true);
-}
-
-// acc = (hh + (hl + lh)) / (s_a s_b): stacked_sum, then the scales out (two exact multiplies)
-template <int N8>
-__device__ __forceinline__ void stacked_sum_unscaled(float (&acc)[N8][4],
-                                                     const float (&wide)[2 * N8][4],
-                                                     const float (&y)[N8][4], float inv_a,
-                                                     float inv_b) {
-#pragma unroll
-    for (int j = 0; j < N8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            acc[j][e] = (wide[j][e] + (wide[N8 + j][e] + y[j][e])) * inv_a * inv_b;
-}
-
-template <int N>
-__device__ __forceinline__ void add_into(float (&acc)[N][4], const float (&x)[N][4]) {
-#pragma unroll
-    for (int d = 0; d < N; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[d][e] += x[d][e];
-}
-
-template <int N>
-__device__ __forceinline__ void scale_by(float (&acc)[N][4], float a, float b) {
-#pragma unroll
-    for (int d = 0; d < N; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[d][e] = acc[d][e] * a * b;
-}
-
-// The scales of batch entry b (attention_bwd_magnitudes)
-struct SplitScales {
-    float q, k, v, dout, ds;
-    __device__ __forceinline__ SplitScales(const AttnBwdParams& bp, long long b) {
-        const float* m = reinterpret_cast<const float*>(bp.magnitudes) + b * MAGS;
-        q = range_scale(m[MAG_Q]);
-        k = range_scale(m[MAG_K]);
-        v = range_scale(m[MAG_V]);
-        dout = range_scale(m[MAG_DOUT]);
-        ds = range_scale(float(bp.f.head_dim_v) * m[MAG_DOUT] * (m[MAG_V] + m[MAG_OUT]));
-    }
-};
+using namespace cuattn::split16;
 
 // The dK/dV kernel's body for one role: DV (S^T, dV += P^T dO), DK (S^T, dP^T, dK += dS^T
 // Q), or both. SHARED_KEYS: the block's two warpgroups own the same 64 keys, one role each
@@ -289,7 +118,7 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     const float *q = in.q, *k = in.k + n0 * p.k_s.row;
     const float *v = in.v + n0 * p.v_s.row, *dout = in.dout;
     const float *lse = in.lse, *delta = in.delta;
-    const SplitScales sc(bp, b);
+    const SplitScales sc(p, b);
 
     const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
     const Range queries = query_band(p, n0, n_last, BLOCK_M);
@@ -442,76 +271,10 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
 
 }  // namespace
 
-// attention_bwd_magnitudes: rows per block (two a warp), and the widest head dim it reads
-// (the family's)
-constexpr int MAG_THREADS = 256, MAG_ROWS = 16, MAG_COLS = 128;
-
-// The largest finite |q|, |k|, |v|, |dout|, |out| of each batch entry into
-// bp.magnitudes[b * 5 + Magnitude] (zeroed by the caller): block (chunk c, entry b) takes
-// rows c * MAG_ROWS .. of q, dout and out (below Sq) and of k and v (below Sk).
-// bp.num_row_blocks: chunks per entry.
+// The largest magnitudes of q, k, v, dout and out per batch entry (magnitudes_of_rows;
+// bp.num_row_blocks: chunks of MAG_ROWS rows per entry)
 __global__ void __launch_bounds__(MAG_THREADS) attention_bwd_magnitudes(const AttnBwdParams bp) {
-    const AttnParams& p = bp.f;
-    // 32-bit: a grid has fewer than 2^31 blocks; the batch entry's three indices computed
-    // once (64-bit divisions are a subroutine call each)
-    const unsigned chunks = (unsigned)bp.num_row_blocks;
-    const long long b = blockIdx.x / chunks, r0 = (long long)(blockIdx.x % chunks) * MAG_ROWS;
-    const long long b2 = b % p.batch2, b01 = b / p.batch2, b1 = b01 % p.batch1, b0 = b01 / p.batch1;
-    auto entry = [&](long long base, const Strides& s) {
-        return reinterpret_cast<const float*>(base) + (b0 * s.b0 + b1 * s.b1 + b2 * s.b2);
-    };
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const float *q = entry(p.q, p.q_s), *k = entry(p.k, p.k_s), *v = entry(p.v, p.v_s);
-    const float *out = entry(p.out, p.out_s), *dout = entry(bp.dout, bp.dout_s);
-    // one running maximum per tensor (named, not an array: no local memory)
-    float mq = 0.f, mk = 0.f, mv = 0.f, mdo = 0.f, mo = 0.f;
-    auto take = [](float& m, float x) {
-        if (isfinite(x)) m = fmaxf(m, fabsf(x));
-    };
-    // a warp's loads of a row all issued before their maxima are taken (a loop that took
-    // each load's maximum in turn waited for memory once per load: 0.6 ms for B4 H32 S4096
-    // D64, 0.45 with the rows merely unrolled)
-    for (int i = 0; i < MAG_ROWS / (MAG_THREADS / 32); ++i) {
-        const long long r = r0 + warp + i * (MAG_THREADS / 32);
-        const bool in_q = r < p.seqlen_q, in_k = r < p.seqlen_k;
-        float x[5][MAG_COLS / 32];
-#pragma unroll
-        for (int j = 0; j < MAG_COLS / 32; ++j) {
-            const long long c = lane + 32 * j;
-            const bool d = c < p.head_dim, dv = c < p.head_dim_v;
-            x[0][j] = in_q && d ? q[r * p.q_s.row + c * p.q_s.col] : 0.f;
-            x[1][j] = in_q && dv ? dout[r * bp.dout_s.row + c * bp.dout_s.col] : 0.f;
-            x[2][j] = in_q && dv ? out[r * p.out_s.row + c * p.out_s.col] : 0.f;
-            x[3][j] = in_k && d ? k[r * p.k_s.row + c * p.k_s.col] : 0.f;
-            x[4][j] = in_k && dv ? v[r * p.v_s.row + c * p.v_s.col] : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < MAG_COLS / 32; ++j) {
-            take(mq, x[0][j]);
-            take(mdo, x[1][j]);
-            take(mo, x[2][j]);
-            take(mk, x[3][j]);
-            take(mv, x[4][j]);
-        }
-    }
-    __shared__ float part[MAGS][MAG_THREADS / 32];
-    auto reduce = [&](float m, int i) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) part[i][warp] = m;
-    };
-    reduce(mq, MAG_Q);
-    reduce(mk, MAG_K);
-    reduce(mv, MAG_V);
-    reduce(mdo, MAG_DOUT);
-    reduce(mo, MAG_OUT);
-    __syncthreads();
-    if (threadIdx.x < MAGS) {
-        float x = 0.f;
-        for (int w = 0; w < MAG_THREADS / 32; ++w) x = fmaxf(x, part[threadIdx.x][w]);
-        atomicMax(reinterpret_cast<unsigned*>(bp.magnitudes) + b * MAGS + threadIdx.x,
-                  __float_as_uint(x));
-    }
+    magnitudes_of_rows(bp.f, bp.dout, bp.dout_s, (unsigned)bp.num_row_blocks);
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
@@ -573,7 +336,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     const float *q = in.q + m0 * p.q_s.row, *k = in.k;
     const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
     const float *lse = in.lse, *delta = in.delta;
-    const SplitScales sc(bp, b);
+    const SplitScales sc(p, b);
 
     const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
     const Range keys = key_band(p, m0, m_last, BLOCK_N);

@@ -178,6 +178,9 @@ struct AttnParams {
     double scale;                             // softmax scale (natural units)
     double softcap;                           // 0: no softcap
     Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s;
+    // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
+    // the others), written per call
+    long long magnitudes;
 };
 
 // The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
@@ -194,9 +197,6 @@ struct AttnBwdParams {
     // float scratch and int turn counters for a chunk of batch entries starting at
     // batch_begin, num_q_tiles query tiles each
     long long dq_acc, dq_turn, batch_begin, num_q_tiles;
-    // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (attention_bwd_magnitudes;
-    // zero for the others)
-    long long magnitudes;
 };
 
 // Offset of element (b, row, col) of a tensor described by strides s, where b is the

@@ -307,9 +307,10 @@ def test_banded_grids_cover_every_block(family, tiles, band):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_float32_calls_take_the_piped_instance(precision, causal, d):
-    """Without forcing anything, a float32 call with enough query rows for the table's
-    threshold (PIPED_SPLIT_FROM, PIPED_FROM_D64 / _D128; twice as many under a band) takes
-    the piped instance on Hopper and is accurate."""
+    """A float32 call with enough query rows for the table's threshold (PIPED_SPLIT_FROM,
+    PIPED_FROM_D64 / _D128; twice as many under a band) takes the piped instance of its
+    family on Hopper and is accurate: "tf32" by default, "highest" with sm90_3xtf32 forced
+    (the default "highest" family is sm90_3xf16, which has no piped instance)."""
     cp = _cp()
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the piped instances are Hopper's (sm_90)")
@@ -321,9 +322,11 @@ def test_long_float32_calls_take_the_piped_instance(precision, causal, d):
     call = check_attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal,
                               precision=precision)
     cc, limit = _device_limits(cp.cuda.Device().id)
-    choice = _dispatch.forward_kernel(call, cc, limit, None, None)
+    kernel = "sm90_3xtf32" if precision == "highest" else None
+    choice = _dispatch.forward_kernel(call, cc, limit, kernel, None)
     assert choice.prepare, choice.name_expression
-    got = _attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal, precision=precision)
+    got = _attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal, precision=precision,
+                     kernel=kernel)
     ref, _ = attention_reference(q, k, v, causal=causal)
     naive = naive_attention(q, k, v, causal=causal, precision=precision)
     assert_accurate(to_host(got), ref, naive)

@@ -36,8 +36,8 @@ def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F16, 64, gpu=A100).family == "mma"      # sm_90a code runs on sm_90 only
     assert forward(F16, 64, gpu=((10, 0), 232448)).family == "mma"
     assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
-    assert forward(F32, 128).family == "sm90_3xtf32"      # "highest": split TF32 on Hopper
-    assert forward(F32, 256).family == "portable"         # beyond sm90_3xtf32
+    assert forward(F32, 128).family == "sm90_3xf16"       # "highest": the split on f16 wgmma
+    assert forward(F32, 256).family == "portable"         # beyond sm90_3xf16
     assert forward(F32, 128, gpu=A100).family == "portable"  # "highest" elsewhere
     assert forward(F32, 128, precision="tf32").family == "sm90_tf32"  # Hopper: wgmma
     assert forward(F32, 256, precision="tf32").family == "mma_f32"    # beyond sm90_tf32
@@ -91,7 +91,8 @@ def test_prepared_operands_from_enough_query_rows():
     assert use(choice, rows - 1, False) is choice
     assert use(choice, 2 * rows, True) is choice.prepared
     assert use(choice, 2 * rows - 2, True) is choice
-    highest = forward(F32, 128)  # the split's piped instance: from PIPED_SPLIT_FROM rows
+    # the TF32 split's piped instance (forced: sm90_3xf16 comes first): from PIPED_SPLIT_FROM
+    highest = forward(F32, 128, forced="sm90_3xtf32")
     assert highest.prepare_from == d.PIPED_SPLIT_FROM
     assert use(highest, d.PIPED_SPLIT_FROM, False) is highest.prepared
     assert use(highest, d.PIPED_SPLIT_FROM - 1, False) is highest
@@ -107,16 +108,36 @@ def test_prepared_operands_from_enough_query_rows():
                    tiles).prepared is None
 
 
+def test_sm90_3xf16_forward_instances_and_shared_memory():
+    """float32 "highest" on Hopper by default: the split on float16 wgmma after a magnitudes
+    kernel; Q (hi, lo) per warpgroup, the stacked split K and V tiles, two raw stages."""
+    d64, d128 = forward(F32, 64), forward(F32, 128)
+    assert d64.family == d128.family == "sm90_3xf16"
+    assert d64.filename == "attention_sm90_3xf16.cu"
+    assert d64.magnitudes == "attention_fwd_magnitudes" and d64.prepared is None
+    assert d64.name_expression == (
+        "attention_fwd_sm90_3xf16<cuattn::NoBias, false, 64, 64, 64, 2, true, 1>")
+    assert d128.name_expression == (
+        "attention_fwd_sm90_3xf16<cuattn::NoBias, false, 128, 128, 32, 2, true, 1>")
+    assert d64.shared_mem == (2 * 2 * 64 * 64 + 2 * 64 * 128) * 2 + 2 * 64 * 128 * 4
+    assert d128.shared_mem == (2 * 2 * 64 * 128 + 2 * 32 * 256) * 2 + 2 * 32 * 256 * 4
+    assert forward(F32, 64, forced="sm90_3xf16", precision="tf32") is None
+    assert forward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
+    assert forward(F32, 256, forced="sm90_3xf16") is None
+    assert ("attention_sm90_3xf16.cu", "attention_fwd_magnitudes", True) in \
+        d.forward_instances("sm_90")
+
+
 def test_sm90_3xtf32_instances_and_shared_memory():
     # float32 "highest" on Hopper: the same kernel with SPLIT; Q, K and V^T held twice (hi
     # and lo parts); D128 keeps one K stage to fit 227 KB
-    d128 = forward(F32, 128)
+    d128 = forward(F32, 128, forced="sm90_3xtf32")
     assert d128.family == "sm90_3xtf32"
     assert d128.name_expression == (
         "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, true, 1>")
     assert d128.shared_mem == 4 * (2 * 128 * 128 + 1 * 2 * 32 * 128 + 3 * 32 * 128)
     assert d128.shared_mem <= 232448
-    d64 = forward(F32, 64)
+    d64 = forward(F32, 64, forced="sm90_3xtf32")
     assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
     assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
     assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
@@ -262,8 +283,8 @@ def test_backward_families_and_tiles():
     assert choice.dkdv.endswith(", 32, 4, true, 3>") and choice.dq.endswith(", 32, 4, true, 3>")
     assert backward(BF16, 64, gpu=A100).dkdv.endswith(", 32, 4, true, 2>")
     assert backward(F16, 128, gpu=SM86).smem_dkdv <= SM86[1]
-    assert backward(F32, 64).family == "sm90_3xtf32"      # "highest": split TF32 on Hopper
-    assert backward(F32, 128).family == "mma_3xtf32"      # beyond the wgmma split's head dims
+    assert backward(F32, 64).family == "sm90_3xf16"       # "highest": the split on f16 wgmma
+    assert backward(F32, 128).family == "sm90_3xf16"
     assert backward(F32, 256).family == "portable"         # beyond its head dims
     assert backward(F32, 64, gpu=A100).family == "portable"  # "highest" elsewhere
     assert backward(F32, 128, precision="tf32").family == "mma_f32"
@@ -274,9 +295,8 @@ def test_backward_families_and_tiles():
 
 
 def test_sm90_3xf16_backward_instances_and_shared_memory():
-    """The split on float16 wgmma serves float32 "highest" to head dim 128 on sm_90 when
-    forced (not yet the default: docs/kernels.rst, twentieth session), after a magnitudes
-    kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""
+    """The split on float16 wgmma serves float32 "highest" to head dim 128 on sm_90, after a
+    magnitudes kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""
     choice = backward(F32, 64, forced="sm90_3xf16")
     assert choice.family == "sm90_3xf16"
     assert choice.filename == "attention_backward_sm90_3xf16.cu"
@@ -312,9 +332,9 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
 
 
 def test_sm90_3xtf32_backward_serves_head_dims_to_64_on_sm90():
-    """The wgmma split backward serves float32 "highest" to head dim 64 on sm_90, two
-    warpgroups per block; wider heads and other GPUs go on to mma_3xtf32 and portable."""
-    choice = backward(F32, 64)
+    """The TF32 wgmma split backward serves float32 "highest" to head dim 64 on sm_90 when
+    forced (sm90_3xf16 comes first), two warpgroups per block; wider heads are refused."""
+    choice = backward(F32, 64, forced="sm90_3xtf32")
     assert choice.family == "sm90_3xtf32"
     assert choice.filename == "attention_backward_sm90_tf32.cu"
     assert choice.delta == "attention_bwd_delta<float>"
@@ -390,9 +410,10 @@ def test_mma_f32_backward_instances_and_shared_memory():
     assert choice.smem_dq == (64 * 128 + 2 * 2 * 32 * (128 + 8)) * 4
     # "highest" at D128: one block for dK and dV (16-query tiles); the separate form (two
     # column tiles of the grid: dV blocks and dK blocks) through explicit tiles
-    choice = backward(F32, 128)
+    choice = backward(F32, 128, forced="mma_3xtf32")
     assert choice.dkdv_roles == 1 and ", 16, 4, true, false, false, true, 2>" in choice.dkdv
-    choice = backward(F32, 128, tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True))
+    choice = backward(F32, 128, forced="mma_3xtf32",
+                      tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True))
     assert choice.dkdv_roles == 2 and ", 16, 4, true, true, false, true, 2>" in choice.dkdv
     # "tf32": no split, one block for both, tiles rounded in place (no lo plane)
     choice = backward(F32, 128, precision="tf32")
