@@ -1170,7 +1170,8 @@ class Sm90F16SplitBwdTiles:
     dq_warpgroups: int = 1
     #: 2: dK and dV in separate blocks (grid column tile 0 dV, 1 dK), for the registers of
     #: head dim 128; 3: one block of two warpgroups per 64 keys, warpgroup 0 dV and 1 dK (K,
-    #: V and every split tile shared: room for dkdv_overlap at 128)
+    #: V and every split tile shared: room for dkdv_overlap at 128), warpgroup 0 handing its
+    #: P^T to warpgroup 1 through shared memory (two split products a warpgroup per tile)
     dkdv_roles: int = 1
 
 
@@ -1206,7 +1207,8 @@ def sm90_3xf16_backward_smem_bytes(tiles: Sm90F16SplitBwdTiles, hd: int,
     wk = 1 if tiles.dkdv_roles == 3 else tiles.dkdv_warpgroups  # warpgroups with own keys
     wq = tiles.dq_warpgroups
     dkdv = (wk * 2 * 64 * (hd + hdv) * 2 + 2 * bm * (hd + hdv) * 4
-            + bufs[0] * 2 * bm * (hd + hdv) * 2 + 2 * 2 * bm * 4)
+            + bufs[0] * 2 * bm * (hd + hdv) * 2 + 2 * 2 * bm * 4
+            + (64 * bm * 4 if tiles.dkdv_roles == 3 else 0))  # the exchanged P^T
     dq = wq * 2 * 64 * (hd + hdv) * 2 + 2 * bn * (hd + hdv) * 4 + bufs[1] * 2 * bn * (hd + hdv) * 2
     return dkdv, dq
 

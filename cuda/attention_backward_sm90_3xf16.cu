@@ -38,8 +38,11 @@
 //             (ROLES = 2: the grid's column tile 0 computes dV -- S^T and dV += P^T dO -- and
 //             tile 1 dK -- S^T, dP^T and dK += dS^T Q --, so that a head dim of 128 fits the
 //             registers; ROLES = 3: the block's two warpgroups own the same 64 keys,
-//             warpgroup 0 computing dV and 1 dK, so K and V are split once for both and the
-//             shared memory leaves room for OVERLAP at head dim 128); K and V split once
+//             warpgroup 0 computing S^T, P^T and dV, and 1 dP^T and dK, with P^T (times the
+//             softcap factor) handed from 0 to 1 through shared memory, one named barrier
+//             per tile: K and V are split once for both, each warpgroup runs two split
+//             products per tile pair, and the shared memory leaves room for OVERLAP at head
+//             dim 128); K and V split once
 //             (from global memory through registers); the block walks the query tiles
 //             (BLOCK_M rows) of its keys' band.
 //             attention_bwd_dq_sm90_3xf16: each warpgroup owns 64 query rows and all columns
@@ -60,9 +63,10 @@
 //             t used, the split tiles of t + 1, a proxy fence and a barrier -- or (OVERLAP)
 //             prepare t + 1 first and wait and add after.
 // Shared mem: dK/dV: O*2*64*(HEAD_DIM+HEAD_DIM_V)*2 + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)*4
-//             + B*2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)*2 + 2*2*BLOCK_M*4 bytes: K and V (hi, lo;
-//             per warpgroup), two raw stages of Q and dO, B buffers of their stacked split
-//             tiles (hi rows; lo rows), lse and delta;
+//             + B*2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V)*2 + 2*2*BLOCK_M*4 + X*64*BLOCK_M*4
+//             bytes: K and V (hi, lo; per warpgroup), two raw stages of Q and dO, B buffers
+//             of their stacked split tiles (hi rows; lo rows), lse and delta, and (X = 1 with
+//             ROLES = 3, else 0) the exchanged P^T;
 //             dQ: W*2*64*(HEAD_DIM+HEAD_DIM_V)*2 + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)*4
 //             + B*2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)*2 bytes: Q and dO (hi, lo; per warpgroup),
 //             two raw stages of K and V, B buffers of their stacked split tiles;
@@ -86,8 +90,12 @@ using namespace cuattn::split16;
 // Q), or both. SHARED_KEYS: the block's two warpgroups own the same 64 keys, one role each
 // (K and V split once for both); otherwise each warpgroup owns 64 keys of its own. The
 // block barriers are named (bar_sync) since the two roles reach them from different code.
-template <bool DV, bool DK, bool SHARED_KEYS, typename BiasT, bool HAS_MASK, int HEAD_DIM,
-          int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, bool OVERLAP, int WARPGROUPS>
+// With SHARED_KEYS the dK role forms no S^T: the dV role hands it P^T (times the softcap
+// factor, 0 where masked) through shared memory, so each role runs two split products per
+// tile (a dK role that formed S^T itself ran three, and took 2-4 % longer: docs/kernels.rst,
+// twenty-first session).
+template <bool DV, bool DK, bool SHARED_KEYS, typename BiasT, bool HAS_MASK,
+          int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, bool OVERLAP, int WARPGROUPS>
 __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockCoords& blk,
                                            unsigned char* smem_raw) {
     constexpr int THREADS = 128 * WARPGROUPS;
@@ -96,6 +104,7 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     constexpr int K_ELEMS = 64 * HEAD_DIM, V_ELEMS = 64 * HEAD_DIM_V;  // one owner's keys
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     constexpr int BUFS = OVERLAP ? 2 : 1;  // split tiles: one per tile in flight
+    constexpr bool EXCHANGE = SHARED_KEYS;
     const AttnParams& p = bp.f;
 
     __half* k_s = reinterpret_cast<__half*>(smem_raw);  // [OWNERS][hi, lo][64 x HEAD_DIM]
@@ -106,6 +115,10 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     __half* do_s = q_s + BUFS * 2 * Q_ELEMS;             // [BUFS][2 BLOCK_M x HEAD_DIM_V]
     float* lse_s = reinterpret_cast<float*>(do_s + BUFS * 2 * DO_ELEMS);  // [2][BLOCK_M], log2
     float* delta_s = lse_s + 2 * BLOCK_M;                                  // [2][BLOCK_M]
+    // EXCHANGE: [BLOCK_M / 8][128 threads] float4: P^T times the softcap factor, in the
+    // accumulator order of the dV role's thread (the dK role's thread 128 further reads it)
+    float4* pf_s = reinterpret_cast<float4*>(delta_s + 2 * BLOCK_M);
+    static_assert(!SHARED_KEYS || DV != DK, "the exchange joins the two roles");
 
     // warpgroup wg owns keys n0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them), or
     // n0 .. n0 + 63 with SHARED_KEYS
@@ -185,21 +198,26 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
         bar_sync(1, THREADS);  // ... once every thread has written its part
     };
     // S^T (and dP^T) of the prepared tile, each split term apart, summed once they are done
+    constexpr bool NEED_S = !EXCHANGE || DV;  // the exchange's dK role takes P from dV's
     auto scores = [&](int t, Acc& s, Acc& dp) {
-        float s_w[2 * BLOCK_M / 8][4], dp_w[DK ? 2 * BLOCK_M / 8 : 1][4];
-        Acc s_y;
-        float dp_y[DK ? BLOCK_M / 8 : 1][4];
-        stacked_product_ss<BLOCK_M, HEAD_DIM, __half>(s_w, s_y, k_base, K_ELEMS * 2, q_tile(t));
+        float s_w[NEED_S ? 2 * BLOCK_M / 8 : 1][4], dp_w[DK ? 2 * BLOCK_M / 8 : 1][4];
+        float s_y[NEED_S ? BLOCK_M / 8 : 1][4], dp_y[DK ? BLOCK_M / 8 : 1][4];
+        if constexpr (NEED_S)
+            stacked_product_ss<BLOCK_M, HEAD_DIM, __half>(s_w, s_y, k_base, K_ELEMS * 2,
+                                                          q_tile(t));
         if constexpr (DK)
             stacked_product_ss<BLOCK_M, HEAD_DIM_V, __half>(dp_w, dp_y, v_base, V_ELEMS * 2,
                                                             do_tile(t));
         wgmma_commit();
         wgmma_wait<0>();
-        stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
+        if constexpr (NEED_S) stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
         if constexpr (DK)
             stacked_sum_unscaled(dp, dp_w, dp_y, inv_dov[0], inv_dov[1]);
-        else
-            zero(dp);  // dS is not used
+        else  // dS is not used; with the exchange, dp = 1 and delta 0 leave P times the factor
+#pragma unroll
+            for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[j][e] = EXCHANGE ? 1.f : 0.f;
     };
     // S^T, dP^T of tile t done: P^T and dS^T, their split fragments, and tile t's dV and dK
     // issued into the fresh accumulators (the fragments stay untouched until they are done)
@@ -211,11 +229,34 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n_own, 64);
         const float* lse_t = lse_s + st * BLOCK_M;
         const float* delta_t = delta_s + st * BLOCK_M;
-        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n_own + warp * 16, m0, lane, interior,
-                                      in.mask, in.bias, [&](int j, int e) {
-                                          const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                                          return make_float2(lse_t[col], delta_t[col]);
-                                      });
+        if constexpr (EXCHANGE && DK) {  // dS^T = (P^T times the factor) (dP^T - delta)
+            bar_sync(2, THREADS);          // the dV role's P^T of this tile is written
+#pragma unroll
+            for (int j = 0; j < BLOCK_M / 8; ++j) {
+                const float4 f = pf_s[j * 128 + threadIdx.x % 128];
+                const float pf[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float d = delta_t[8 * j + 2 * (lane % 4) + e % 2];
+                    dp[j][e] = pf[e] != 0.f ? pf[e] * (dp[j][e] - d) : 0.f;
+                }
+            }
+        } else {
+            p_and_ds_tile<HAS_MASK, true>(
+                s, dp, p, consts, n_own + warp * 16, m0, lane, interior, in.mask, in.bias,
+                [&](int j, int e) {
+                    const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                    return make_float2(lse_t[col], EXCHANGE ? 0.f : delta_t[col]);
+                });
+        }
+        if constexpr (EXCHANGE && DV) {  // P^T times the factor to the dK role
+            // (the prepare barrier of the next tile orders the next write after this read)
+#pragma unroll
+            for (int j = 0; j < BLOCK_M / 8; ++j)
+                pf_s[j * 128 + threadIdx.x % 128] = make_float4(dp[j][0], dp[j][1], dp[j][2],
+                                                                dp[j][3]);
+            bar_arrive(2, THREADS);
+        }
         if constexpr (DV) {
             split_fragments<BLOCK_M>(p_hi, p_lo, s, P_SCALE);
             split_product_ra16<HEAD_DIM_V, BLOCK_M>(dv_t, p_hi, p_lo, do_tile(t));

@@ -479,8 +479,8 @@ def test_sm90_3xtf32_tiles(tiles, case):
 
 #: The sm90_3xf16 backward's forms: one and two warpgroups, plain and overlapped, dK and dV
 #: in one block, in separate blocks (roles 2) or in the two warpgroups of one block (roles
-#: 3), at head dims 64 and 128 (where the table takes the role forms), over the fused
-#: form's band and mask cases and long ones.
+#: 3, P^T handed from one to the other), at head dims 64 and 128 (where the table takes the
+#: role forms), over the fused form's band and mask cases and long ones.
 SM90_3XF16_TILES = [
     Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
                          dq_warpgroups=2),

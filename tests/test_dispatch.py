@@ -316,9 +316,10 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     flags = "cuattn::NoBias, false, 128, 128"
     assert wide.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 3>"
     assert (wide.dkdv_roles, wide.dkdv_rows, wide.col_tile) == (1, 64, 128)
-    # one 64-key set of K and V (hi, lo), two raw stages and two split buffers of Q and dO
+    # one 64-key set of K and V (hi, lo), two raw stages and two split buffers of Q and dO,
+    # lse and delta, and the P^T that warpgroup 0 hands to warpgroup 1 (64 keys x 32 queries)
     assert wide.smem_dkdv == (2 * 64 * 256 * 2 + 2 * 32 * 256 * 4 + 2 * 2 * 32 * 256 * 2
-                              + 2 * 2 * 32 * 4)
+                              + 2 * 2 * 32 * 4 + 64 * 32 * 4)
     roles = backward(F32, 128, forced="sm90_3xf16",
                      tiles=d.Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=2))
     assert (roles.dkdv_roles, roles.dkdv_rows) == (2, 128)
