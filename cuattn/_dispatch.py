@@ -1173,6 +1173,10 @@ class Sm90F16SplitBwdTiles:
     #: V and every split tile shared: room for dkdv_overlap at 128), warpgroup 0 handing its
     #: P^T to warpgroup 1 through shared memory (two split products a warpgroup per tile)
     dkdv_roles: int = 1
+    #: two warpgroups: the second issues its score products once the first has issued its
+    #: own (an experiment, not in the table: docs/kernels.rst, twenty-first session)
+    dkdv_stagger: bool = False
+    dq_stagger: bool = False
 
 
 #: sm90_3xf16 backward: (largest head dim, candidate tiles, reason). ptxas (sm_90a), no
@@ -1229,9 +1233,10 @@ def _sm90_3xf16_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
         "sm90_3xf16", "attention_backward_sm90_3xf16.cu", "attention_bwd_delta<float>",
         f"attention_bwd_dkdv_sm90_3xf16<{flags}, {tiles.block_m}, {al}, "
         f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}, {tiles.dkdv_warpgroups}, "
-        f"{tiles.dkdv_roles}>",
+        f"{tiles.dkdv_roles}, {str(tiles.dkdv_stagger).lower()}>",
         f"attention_bwd_dq_sm90_3xf16<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}, "
-        f"{str(tiles.dq_overlap).lower()}, {tiles.dq_warpgroups}>",
+        f"{str(tiles.dq_overlap).lower()}, {tiles.dq_warpgroups}, "
+        f"{str(tiles.dq_stagger).lower()}>",
         64 if tiles.dkdv_roles == 3 else 64 * tiles.dkdv_warpgroups, 64 * tiles.dq_warpgroups,
         max(hd, hdv), hd, *smem, threads_dkdv=128 * tiles.dkdv_warpgroups,
         threads_dq=128 * tiles.dq_warpgroups, dkdv_roles=2 if tiles.dkdv_roles == 2 else 1,

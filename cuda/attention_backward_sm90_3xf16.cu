@@ -55,7 +55,11 @@
 //             copies and loads: unit column strides, 16-byte rows and pointers; otherwise
 //             element loads); MIN_BLOCKS; OVERLAP (the next tile is split while the tensor
 //             cores run this tile's gradient products: two buffers of split tiles);
-//             WARPGROUPS (1 or 2); ROLES (dK/dV: 1, 2 or 3, above). Gradients are float32.
+//             WARPGROUPS (1 or 2); ROLES (dK/dV: 1, 2 or 3, above); STAGGER (two
+//             warpgroups: the second issues its score products only once the first has
+//             issued its own, so that the first's element-wise pass runs while the tensor
+//             cores compute the second's; an experiment, reached through explicit tiles).
+//             Gradients are float32.
 // Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum,
 //             unscale; the element-wise pass, the split fragments and the gradient products
 //             issued into fresh accumulators; then either (plain) wait, add, and prepare tile
@@ -93,8 +97,9 @@ using namespace cuattn::split16;
 // With SHARED_KEYS the dK role forms no S^T: the dV role hands it P^T (times the softcap
 // factor, 0 where masked) through shared memory, so each role runs two split products per
 // tile (a dK role that formed S^T itself ran three, and took 2-4 % longer: docs/kernels.rst,
-// twenty-first session).
-template <bool DV, bool DK, bool SHARED_KEYS, typename BiasT, bool HAS_MASK,
+// twenty-first session). STAGGER: warpgroup 1 issues its score products only after warpgroup
+// 0 has issued its own (a named barrier).
+template <bool DV, bool DK, bool SHARED_KEYS, bool STAGGER, typename BiasT, bool HAS_MASK,
           int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, bool OVERLAP, int WARPGROUPS>
 __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockCoords& blk,
                                            unsigned char* smem_raw) {
@@ -123,6 +128,8 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     // warpgroup wg owns keys n0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them), or
     // n0 .. n0 + 63 with SHARED_KEYS
     const int wg = OWNERS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int wg_index = threadIdx.x / 128;  // (with SHARED_KEYS too)
+    static_assert(!STAGGER || WARPGROUPS == 2, "the stagger orders two warpgroups");
     const int warp = WARPGROUPS == 1 ? threadIdx.x / 32 : threadIdx.x / 32 % 4;
     const long long n_block = blk.row_block, b = blk.b;
     const long long n0 = n_block * BLOCK_N, n_own = n0 + 64 * wg;
@@ -202,6 +209,7 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     auto scores = [&](int t, Acc& s, Acc& dp) {
         float s_w[NEED_S ? 2 * BLOCK_M / 8 : 1][4], dp_w[DK ? 2 * BLOCK_M / 8 : 1][4];
         float s_y[NEED_S ? BLOCK_M / 8 : 1][4], dp_y[DK ? BLOCK_M / 8 : 1][4];
+        if (STAGGER && wg_index == 1) bar_sync(3, THREADS);  // warpgroup 0's are issued
         if constexpr (NEED_S)
             stacked_product_ss<BLOCK_M, HEAD_DIM, __half>(s_w, s_y, k_base, K_ELEMS * 2,
                                                           q_tile(t));
@@ -209,6 +217,7 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
             stacked_product_ss<BLOCK_M, HEAD_DIM_V, __half>(dp_w, dp_y, v_base, V_ELEMS * 2,
                                                             do_tile(t));
         wgmma_commit();
+        if (STAGGER && wg_index == 0) bar_arrive(3, THREADS);
         wgmma_wait<0>();
         if constexpr (NEED_S) stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
         if constexpr (DK)
@@ -319,7 +328,7 @@ __global__ void __launch_bounds__(MAG_THREADS) attention_bwd_magnitudes(const At
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED,
-          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS, int ROLES>
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS, int ROLES, bool STAGGER>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     attention_bwd_dkdv_sm90_3xf16(const AttnBwdParams bp) {
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
@@ -332,24 +341,25 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
                                          bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
     constexpr bool SHARED = ROLES == 3;
     if constexpr (ROLES == 1) {
-        dkdv_3xf16<true, true, false, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
-                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+        dkdv_3xf16<true, true, false, STAGGER, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                   ALIGNED, OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
     } else if (ROLES == 2 ? blk.col_tile == 0 : threadIdx.x < 128) {
-        dkdv_3xf16<true, false, SHARED, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
-                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+        dkdv_3xf16<true, false, SHARED, STAGGER, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                   ALIGNED, OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
     } else {
-        dkdv_3xf16<false, true, SHARED, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, ALIGNED,
-                   OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
+        dkdv_3xf16<false, true, SHARED, STAGGER, BiasT, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                   ALIGNED, OVERLAP, WARPGROUPS>(bp, blk, smem_raw);
     }
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, bool ALIGNED,
-          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS>
+          int MIN_BLOCKS, bool OVERLAP, int WARPGROUPS, bool STAGGER>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     attention_bwd_dq_sm90_3xf16(const AttnBwdParams bp) {
     constexpr int THREADS = 128 * WARPGROUPS, BLOCK_M = 64 * WARPGROUPS;  // 64 rows a warpgroup
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
-                      (BLOCK_N == 32 || BLOCK_N == 64) && (WARPGROUPS == 1 || WARPGROUPS == 2),
+                      (BLOCK_N == 32 || BLOCK_N == 64) && (WARPGROUPS == 1 || WARPGROUPS == 2) &&
+                      (!STAGGER || WARPGROUPS == 2),
                   "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, DO_ELEMS = 64 * HEAD_DIM_V;  // one warpgroup's rows
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
@@ -435,10 +445,12 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     auto scores = [&](int t, Acc& s, Acc& dp) {  // S, dP of the prepared tile, as in dK/dV
         float s_w[2 * BLOCK_N / 8][4], dp_w[2 * BLOCK_N / 8][4];
         Acc s_y, dp_y;
+        if (STAGGER && wg == 1) bar_sync(3, THREADS);  // warpgroup 0's are issued
         stacked_product_ss<BLOCK_N, HEAD_DIM, __half>(s_w, s_y, q_base, Q_ELEMS * 2, k_tile(t));
         stacked_product_ss<BLOCK_N, HEAD_DIM_V, __half>(dp_w, dp_y, do_base, DO_ELEMS * 2,
                                                         v_tile(t));
         wgmma_commit();
+        if (STAGGER && wg == 0) bar_arrive(3, THREADS);
         wgmma_wait<0>();
         stacked_sum_unscaled(s, s_w, s_y, inv_qk[0], inv_qk[1]);
         stacked_sum_unscaled(dp, dp_w, dp_y, inv_dov[0], inv_dov[1]);

@@ -479,8 +479,9 @@ def test_sm90_3xtf32_tiles(tiles, case):
 
 #: The sm90_3xf16 backward's forms: one and two warpgroups, plain and overlapped, dK and dV
 #: in one block, in separate blocks (roles 2) or in the two warpgroups of one block (roles
-#: 3, P^T handed from one to the other), at head dims 64 and 128 (where the table takes the
-#: role forms), over the fused form's band and mask cases and long ones.
+#: 3, P^T handed from one to the other), with and without the staggered score products, at
+#: head dims 64 and 128 (where the table takes the role forms), over the fused form's band and
+#: mask cases and long ones.
 SM90_3XF16_TILES = [
     Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
                          dq_warpgroups=2),
@@ -488,7 +489,11 @@ SM90_3XF16_TILES = [
     Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2, dkdv_roles=2),
     Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2,
                          dkdv_roles=3),
-    Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=3)]
+    Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=3),
+    Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
+                         dq_warpgroups=2, dkdv_stagger=True, dq_stagger=True),
+    Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2,
+                         dkdv_roles=3, dkdv_stagger=True, dq_stagger=True)]
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES)
