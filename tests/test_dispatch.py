@@ -303,8 +303,9 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     assert choice.magnitudes == "attention_bwd_magnitudes"
     assert choice.delta == "attention_bwd_delta<float>"
     flags = "cuattn::NoBias, false, 64, 64"
-    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 1, false>"
-    assert choice.dq == f"attention_bwd_dq_sm90_3xf16<{flags}, 64, true, 1, true, 2, false>"
+    # the second warpgroup's score products staggered behind the first's (true, last)
+    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 1, true>"
+    assert choice.dq == f"attention_bwd_dq_sm90_3xf16<{flags}, 64, true, 1, true, 2, true>"
     assert (choice.dkdv_rows, choice.dq_rows, choice.dkdv_roles) == (128, 128, 1)
     assert (choice.threads_dkdv, choice.threads_dq) == (256, 256)
     # the .cu header: K, V (hi, lo: float16) of both warpgroups, two raw float stages of the
@@ -314,7 +315,7 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
         2 * 2 * 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 2 * 64 * 128 * 2)
     wide = backward(F32, 128, forced="sm90_3xf16")
     flags = "cuattn::NoBias, false, 128, 128"
-    assert wide.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 3, false>"
+    assert wide.dkdv == f"attention_bwd_dkdv_sm90_3xf16<{flags}, 32, true, 1, true, 2, 3, true>"
     assert (wide.dkdv_roles, wide.dkdv_rows, wide.col_tile) == (1, 64, 128)
     # one 64-key set of K and V (hi, lo), two raw stages and two split buffers of Q and dO,
     # lse and delta, and the P^T that warpgroup 0 hands to warpgroup 1 (64 keys x 32 queries)
