@@ -107,6 +107,9 @@ class Tiles:
     #: the warp-tiled form (attention_fwd_portable_warps: eight warps of 16 rows, block_m
     #: 128; float32/float64 on sm_80+, head dims to 64, d_tile and dv_tile 64)
     warps: bool = False
+    #: the warp-tiled form with one K and one V buffer, all warps in step (two barriers per
+    #: key tile): the shared memory of 64-key tiles
+    lockstep: bool = False
 
 
 #: Portable family: (dtypes, largest head dim, candidate tiles in order of preference, the
@@ -215,9 +218,10 @@ def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: i
                         pipelined: bool) -> int:
     """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
     pad = 16 // acc_itemsize
-    if tiles.warps:  # Q, two stages of K, three of V, P
-        return (tiles.block_m * (d_tile + pad) + 2 * tiles.block_n * (d_tile + pad)
-                + 3 * tiles.block_n * (dv_tile + pad)
+    if tiles.warps:  # Q, two stages of K, three of V (one each in lockstep), P
+        k_stages, v_stages = (1, 1) if tiles.lockstep else (2, 3)
+        return (tiles.block_m * (d_tile + pad) + k_stages * tiles.block_n * (d_tile + pad)
+                + v_stages * tiles.block_n * (dv_tile + pad)
                 + tiles.block_m * (tiles.block_n + pad)) * acc_itemsize
     if pipelined:
         kv = 2 * tiles.block_n * (d_tile + pad) + tiles.block_n * (dv_tile + pad)
@@ -264,7 +268,7 @@ def _portable(call_dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     if tiles.warps:
         expr = (f"attention_fwd_portable_warps<{c_type_name(call_dtype)}, {bias_t}, "
                 f"{str(has_mask).lower()}, {d_tile}, {dv_tile}, {tiles.block_n}, "
-                f"{str(aligned).lower()}>")
+                f"{str(aligned).lower()}, {str(tiles.lockstep).lower()}>")
         return KernelChoice("portable", "attention_portable.cu", expr, tiles, d_tile, dv_tile,
                             smem)
     expr = (f"attention_fwd_portable<{c_type_name(call_dtype)}, {bias_t}, "

@@ -322,11 +322,17 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // registers across the barrier), then S of tile t, so that one group's softmax (short on
 // FMAs, long on dependent latency) runs beside the other's products (measured: +6 % causal,
 // nothing non-causal; the softmax phase was not the main loss).
-// Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + 2*BLOCK_N*(HEAD_DIM+PAD) + 3*BLOCK_N*(HEAD_DIM_V+PAD)
-//             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T;
+// LOCKSTEP: one K and one V buffer instead, every warp in step, two barriers per tile (K of
+// the next tile is requested once every warp has its scores, V of this tile once every warp
+// is done with the last one's P V): the shared memory that lets 64-key tiles fit, whose
+// lane tiles of 4 x 8 in Q K^T take 0.75 of the shared-memory return rate per DFMA where
+// 32-key tiles take all of it (docs/kernels.rst, twenty-second session).
+// Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
+//             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
+//             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
 //             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_N, bool ALIGNED>
+          int BLOCK_N, bool ALIGNED, bool LOCKSTEP>
 __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const AttnParams p) {
     using A = Acc<T>;
     static_assert(sizeof(T) == sizeof(A), "the cp.async pipeline copies T as is");
@@ -335,21 +341,22 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     constexpr int RM = WARP_M / 4, TN = BLOCK_N / 8, TV = HEAD_DIM_V / 8;  // per lane
     constexpr int QP = HEAD_DIM + PAD, VP = HEAD_DIM_V + PAD, PP = BLOCK_N + PAD;  // pitches
     constexpr int K_ELEMS = BLOCK_N * QP, V_ELEMS = BLOCK_N * VP;
+    constexpr int KS = LOCKSTEP ? 1 : 2, VS = LOCKSTEP ? 1 : 3;  // stages of K and V
     static_assert(HEAD_DIM % VEC == 0 && HEAD_DIM_V % (8 * VEC) == 0 && BLOCK_N % 8 == 0 &&
                       BLOCK_N % VEC == 0, "tile shapes of the warp-tiled form");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* q_s = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][QP]
-    A* k_s = q_s + BLOCK_M * QP;              // [2][BLOCK_N][QP]
-    A* v_s = k_s + 2 * K_ELEMS;               // [3][BLOCK_N][VP]
-    A* p_s = v_s + 3 * V_ELEMS;               // [BLOCK_M][PP]: 16 rows per warp
+    A* k_s = q_s + BLOCK_M * QP;              // [KS][BLOCK_N][QP]
+    A* v_s = k_s + KS * K_ELEMS;              // [VS][BLOCK_N][VP]
+    A* p_s = v_s + VS * V_ELEMS;              // [BLOCK_M][PP]: 16 rows per warp
 
     // lane bits (b4 .. b0) = (ly1, lx2, lx1, ly0, lx0): lanes n and n ^ 1 read the same Q and
     // P addresses, lanes n and n ^ 2 the same K and V addresses, so that each 16-byte load
     // returns in two passes instead of four (shared memory returns 128 bytes per clock)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int lx = (lane & 1) | ((lane >> 1) & 6), ly = ((lane >> 1) & 1) | ((lane >> 3) & 2);
-    const bool late = warp >= THREADS / 64;  // the second group of warps
+    const bool late = !LOCKSTEP && warp >= THREADS / 64;  // the second group of warps
     const ForwardBlock<T, BiasT> blk = forward_block<T, BiasT>(p, BLOCK_M);
     const long long m0 = blk.m0, b = blk.b;
     const T *q = blk.q, *k = blk.k, *v = blk.v;
@@ -358,18 +365,24 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     const Range keys = key_band(p, m0, min(m0 + BLOCK_M, p.seqlen_q) - 1, BLOCK_N);
     const long long n_lo = keys.lo;
     const int tiles = keys.lo < keys.hi ? (int)((keys.hi - keys.lo + BLOCK_N - 1) / BLOCK_N) : 0;
-    auto request_kv = [&](int t) {  // key tile t: K into stage t % 2, V into stage t % 3
+    auto request_k = [&](int t) {  // key tile t: K into stage t % KS
         const long long n0 = n_lo + (long long)t * BLOCK_N;
-        load_tile_async<BLOCK_N, HEAD_DIM, PAD, ALIGNED>(k_s + t % 2 * K_ELEMS, k + n0 * p.k_s.row,
+        load_tile_async<BLOCK_N, HEAD_DIM, PAD, ALIGNED>(k_s + t % KS * K_ELEMS, k + n0 * p.k_s.row,
                                                          p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                          p.head_dim);
-        load_tile_async<BLOCK_N, HEAD_DIM_V, PAD, ALIGNED>(v_s + t % 3 * V_ELEMS, v + n0 * p.v_s.row,
+    };
+    auto request_v = [&](int t) {  // V into stage t % VS
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        load_tile_async<BLOCK_N, HEAD_DIM_V, PAD, ALIGNED>(v_s + t % VS * V_ELEMS, v + n0 * p.v_s.row,
                                                            p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                            p.head_dim_v);
     };
     load_tile_async<BLOCK_M, HEAD_DIM, PAD, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col,
                                                      p.seqlen_q - m0, p.head_dim);
-    if (tiles > 0) request_kv(0);
+    if (tiles > 0) {
+        request_k(0);
+        if (!LOCKSTEP) request_v(0);
+    }
     cp_async_commit();
 
     // this warp's rows: r0 + 4 i
@@ -402,11 +415,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
 #pragma unroll
             for (int j = 0; j < TN; ++j) s[i][j] = A(0);
         scores_strided<RM, TN, HEAD_DIM, PAD, 4, 8, HEAD_DIM / VEC>(
-            s, q_w, k_s + t % 2 * K_ELEMS + lx * QP, 0, 0);
+            s, q_w, k_s + t % KS * K_ELEMS + lx * QP, 0, 0);
         held = t;
     };
-    // the held tile's softmax (row state m, l; P into the warp's tile) and acc += P V
-    auto softmax_and_pv = [&]() {
+    // the held tile's softmax: row state m, l; P into the warp's tile
+    auto softmax = [&]() {
         const long long n0 = n_lo + (long long)held * BLOCK_N;
         const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
         // an interior tile without softcap or bias keeps its raw dot products: the scale
@@ -416,8 +429,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             mask_scores<RM, TN, HAS_MASK, 4, 8>(s, p, r0, n0 + lx, interior, blk.mask, blk.bias);
             c = A(1);
         }
-        A alpha[RM];
-        bool rescale = false;
 #pragma unroll
         for (int i = 0; i < RM; ++i) {  // over the 8 lanes of each row (lane bits 0, 2 and 3)
             A tile_max = neg_inf<A>();
@@ -428,8 +439,13 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                 tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
             const A m_new = max_acc(m[i], tile_max * c);
             const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // as update_row_state
-            alpha[i] = exp2_row(m[i] - m_use);
-            rescale |= alpha[i] != A(1);
+            const A alpha = exp2_row(m[i] - m_use);
+            // a row whose max stayed put keeps its acc as it is (alpha 1): most tiles of a
+            // long row
+            if (__any_sync(0xffffffffu, alpha != A(1))) {
+#pragma unroll
+                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha;
+            }
             A tile_sum = A(0);
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
@@ -440,43 +456,65 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
 #pragma unroll
             for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
                 tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
-            l[i] = l[i] * alpha[i] + tile_sum;
+            l[i] = l[i] * alpha + tile_sum;
             m[i] = m_new;
         }
-        // rows whose max stayed put keep their acc as it is (alpha 1): most tiles of a long row
-        if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-            for (int i = 0; i < RM; ++i)
-#pragma unroll
-                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha[i];
-        }
         __syncwarp();  // the warp's P is in shared memory
-
-        // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f]
+    };
+    // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f]
+    auto pv = [&]() {
         accumulate_strided<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 4, 8>(
-            acc, p_w, v_s + held % 3 * V_ELEMS, ly, lx);
+            acc, p_w, v_s + held % VS * V_ELEMS, ly, lx);
         __syncwarp();  // P is read before the warp's next tile overwrites it
         held = -1;
     };
-
-    // one pass more than there are tiles: the late group's last softmax and P V
-    for (int t = 0; t <= tiles; ++t) {
+    // the warp's 16 rows all past the end or outside the band for key tile t: they take
+    // nothing from it (alpha 1), so the warp skips it
+    auto takes = [&](int t) {
         const long long n0 = n_lo + (long long)t * BLOCK_N;
-        if (t < tiles) {
-            cp_async_wait<0>();  // tile t has landed ...
-            __syncthreads();     // ... for every thread; every warp is done with K (t - 1) and
-                                 // V (t - 2), whose stages tile t + 1 takes
-            if (t + 1 < tiles) request_kv(t + 1);
+        return t < tiles && w0 < p.seqlen_q &&
+               (p.window_right < 0 || n0 <= w0 + WARP_M - 1 + off + p.window_right) &&
+               (p.window_left < 0 || n0 + BLOCK_N - 1 >= w0 + off - p.window_left);
+    };
+
+    if constexpr (LOCKSTEP) {
+        for (int t = 0; t < tiles; ++t) {
+            cp_async_wait<0>();  // K (t) has landed ...
+            __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
+            request_v(t);
             cp_async_commit();
+            const bool take = takes(t);
+            if (take) {
+                scores_of(t);
+                softmax();
+            }
+            cp_async_wait<0>();  // V (t) has landed ...
+            __syncthreads();     // ... for every thread, and every warp is done with K (t)
+            if (t + 1 < tiles) request_k(t + 1);
+            cp_async_commit();
+            if (take) pv();
         }
-        // the warp's 16 rows all past the end or outside the band for this tile: they take
-        // nothing from it (alpha 1), so the warp skips it
-        const bool take = t < tiles && w0 < p.seqlen_q &&
-                          (p.window_right < 0 || n0 <= w0 + WARP_M - 1 + off + p.window_right) &&
-                          (p.window_left < 0 || n0 + BLOCK_N - 1 >= w0 + off - p.window_left);
-        if (take && !late) scores_of(t);
-        if (held >= 0) softmax_and_pv();
-        if (take && late) scores_of(t);
+    } else {
+        // one pass more than there are tiles: the late group's last softmax and P V
+        for (int t = 0; t <= tiles; ++t) {
+            if (t < tiles) {
+                cp_async_wait<0>();  // tile t has landed ...
+                __syncthreads();     // ... for every thread; every warp is done with K (t - 1)
+                                     // and V (t - 2), whose stages tile t + 1 takes
+                if (t + 1 < tiles) {
+                    request_k(t + 1);
+                    request_v(t + 1);
+                }
+                cp_async_commit();
+            }
+            const bool take = takes(t);
+            if (take && !late) scores_of(t);
+            if (held >= 0) {
+                softmax();
+                pv();
+            }
+            if (take && late) scores_of(t);
+        }
     }
     cp_async_wait<0>();  // no copy may outlive the block
 

@@ -112,27 +112,30 @@ def test_mask_and_bias_layouts(family, dtype, layout, sq, sk):
     assert_accurate(got, ref, naive_attention(q, k, v, **kw, **host))
 
 
-#: the portable family's warp-tiled form (attention_fwd_portable_warps), forced through its
-#: tiles for both float types (the table gives it float64 with head dims to 64)
-WARPS_TILES = _dispatch.Tiles(128, 32, 64, 64, 1, warps=True)
+#: the portable family's warp-tiled forms (attention_fwd_portable_warps: two groups of
+#: warps half a tile apart, and all warps in step with 64-key tiles), forced through their
+#: tiles for both float types (the table gives them float64 with head dims to 64)
+WARPS_TILES = [_dispatch.Tiles(128, 32, 64, 64, 1, warps=True),
+               _dispatch.Tiles(128, 64, 64, 64, 1, warps=True, lockstep=True)]
 
 
+@pytest.mark.parametrize("tiles", WARPS_TILES, ids=["groups32", "lockstep64"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("feature", ["plain", *FEATURES])
 @pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 32, 32), (40, 50, 64, 24),
                                    (17, 1, 59, 59), (1025, 1023, 64, 64), (300, 5, 64, 32)])
-def test_portable_warps(dtype, feature, shape):
-    """The warp-tiled form over every feature on ragged shapes: accurate against the float64
+def test_portable_warps(tiles, dtype, feature, shape):
+    """The warp-tiled forms over every feature on ragged shapes: accurate against the float64
     reference (output poisoned first), and a NaN in one query row stays in that row."""
     sq, sk, d, dv = shape
     rng = np.random.default_rng(sq + 7 * sk + d)
     kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
     q, k, v = _rand(rng, (2, 3, sq, d), dtype), _rand(rng, (2, 3, sk, d), dtype), \
         _rand(rng, (2, 3, sk, dv), dtype)
-    _check("portable", q, k, v, tiles=WARPS_TILES, **kw)
+    _check("portable", q, k, v, tiles=tiles, **kw)
     if feature == "plain":
         q[1, 2, sq // 2, 3] = np.nan
-        got, _ = _run("portable", q, k, v, tiles=WARPS_TILES)
+        got, _ = _run("portable", q, k, v, tiles=tiles)
         bad = np.isnan(got).any(axis=-1)
         assert bad[1, 2, sq // 2] and bad.sum() == 1
 

@@ -231,9 +231,9 @@ def test_portable_pipeline_and_16_byte_copies():
     assert expr(F64, 128, True).endswith(", true, true>")
     # float64 to head dim 64 on sm_80+: the warp-tiled form, 16-byte copies when aligned
     assert expr(F64, 64, True) == \
-        "attention_fwd_portable_warps<double, cuattn::NoBias, false, 64, 64, 32, true>"
-    assert expr(F64, 59, False).endswith("64, 64, 32, false>")
-    assert expr(F64, 32, True).endswith("32, 32, 32, true>")
+        "attention_fwd_portable_warps<double, cuattn::NoBias, false, 64, 64, 32, true, false>"
+    assert expr(F64, 59, False).endswith("64, 64, 32, false, false>")
+    assert expr(F64, 32, True).endswith("32, 32, 32, true, false>")
     assert expr(F64, 64, True, gpu=((7, 5), 65536)).startswith("attention_fwd_portable<")
     # 16-bit inputs convert on load, and Q beyond one chunk is not pipelined
     assert expr(F16, 128, True).endswith(", false, false>")
