@@ -229,11 +229,14 @@ def test_portable_pipeline_and_16_byte_copies():
     assert expr(F32, 128, True).endswith(", 1, true, true>")
     assert expr(F32, 128, False).endswith(", 1, true, false>")
     assert expr(F64, 128, True).endswith(", true, true>")
-    # float64 to head dim 64 on sm_80+: the warp-tiled form, 16-byte copies when aligned
+    # float64 to head dim 64 on sm_80+: the warp-tiled form with 64-key tiles in lockstep,
+    # 16-byte copies when aligned
     assert expr(F64, 64, True) == \
-        "attention_fwd_portable_warps<double, cuattn::NoBias, false, 64, 64, 32, true, false>"
-    assert expr(F64, 59, False).endswith("64, 64, 32, false, false>")
-    assert expr(F64, 32, True).endswith("32, 32, 32, true, false>")
+        "attention_fwd_portable_warps<double, cuattn::NoBias, false, 64, 64, 64, true, true>"
+    assert expr(F64, 59, False).endswith("64, 64, 64, false, true>")
+    assert expr(F64, 32, True).endswith("32, 32, 64, true, true>")
+    # where its 198 KB do not fit but 187 KB do: 32-key tiles in two groups of warps
+    assert expr(F64, 64, True, gpu=((9, 0), 195 * 1024)).endswith("64, 64, 32, true, false>")
     assert expr(F64, 64, True, gpu=((7, 5), 65536)).startswith("attention_fwd_portable<")
     # 16-bit inputs convert on load, and Q beyond one chunk is not pipelined
     assert expr(F16, 128, True).endswith(", false, false>")
