@@ -7,8 +7,11 @@ stack frame and ptxas's log per instance.
 """
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
 from ._kernels import nvrtc_options, read_source
@@ -88,6 +91,25 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
         raise RuntimeError(f"no ptxas report for {name_expression} ({arch}):\n{log}")
     return Resources(name_expression, arch, int(usage.group(1)), int(spill.group(1)),
                      int(spill.group(2)), int(spill.group(3)), log)
+
+
+def compile_instances(instances, workers: int | None = None) -> list:
+    """:func:`compile_instance` over ``(filename, name_expression, arch)`` triples, one
+    process per core (ptxas is single-threaded and the instances are independent). Returns,
+    in order, each instance's Resources or the RuntimeError its compile raised. The workers
+    are spawned, not forked, so that a parent that has touched the CUDA runtime is safe."""
+    workers = min(workers or os.cpu_count() or 1, len(instances))
+    if workers <= 1:
+        return [_compile_or_error(*i) for i in instances]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(_compile_or_error, *zip(*instances), chunksize=4))
+
+
+def _compile_or_error(filename: str, name_expression: str, arch: str):
+    try:
+        return compile_instance(filename, name_expression, arch)
+    except RuntimeError as err:
+        return err
 
 
 def gate_instances(arch: str) -> list[tuple[str, str, bool]]:
