@@ -327,10 +327,21 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // is done with the last one's P V): the shared memory that lets 64-key tiles fit, whose
 // lane tiles of 4 x 8 in Q K^T take 0.75 of the shared-memory return rate per DFMA where
 // 32-key tiles take all of it (docs/kernels.rst, twenty-second session).
+// P row ly + 4 i of a warp lives at row 4 ly + i of its tile, so that the four rows one
+// store instruction writes fall in two bank halves (two ways of conflict, the least 256
+// bytes take, where the plain order took four); P V reads its operands one step ahead
+// (accumulate_ahead). For double the row max may go stale (LAZY_LOG2, below): most tiles
+// then need no max, no rescale and no dependent chain before their exp2 (docs/kernels.rst,
+// twenty-third session).
 // Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
 //             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
 //             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
 //             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
+// The stale max (double only): a tile whose scores all lie within LAZY_LOG2 (log2 units)
+// above their row's m is summed against that m as it stands: terms up to 2^LAZY_LOG2, far
+// inside double's range, and acc / l and m ln 2 + log l unchanged. m stays the max of the
+// tiles that took the exact step, so every score seen is at most m + LAZY_LOG2.
+constexpr double LAZY_LOG2 = 8.0;
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
           int BLOCK_N, bool ALIGNED, bool LOCKSTEP>
 __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const AttnParams p) {
@@ -429,42 +440,95 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             mask_scores<RM, TN, HAS_MASK, 4, 8>(s, p, r0, n0 + lx, interior, blk.mask, blk.bias);
             c = A(1);
         }
+        // double: where every row of the warp has a finite m and no score of the tile lies
+        // more than LAZY_LOG2 above it, the tile is summed against m as it stands (no max,
+        // no rescale). Otherwise (a row's first tile; a max that rose further) the P just
+        // written is discarded and the exact step below runs. NaN scores give NaN terms on
+        // both paths.
+        if constexpr (sizeof(A) == 8) {
+            bool finite = true;
 #pragma unroll
-        for (int i = 0; i < RM; ++i) {  // over the 8 lanes of each row (lane bits 0, 2 and 3)
-            A tile_max = neg_inf<A>();
+            for (int i = 0; i < RM; ++i) finite &= m[i] - m[i] == A(0);
+            if (__all_sync(0xffffffffu, finite)) {
+                A part[RM];
+                bool over = false;
 #pragma unroll
-            for (int j = 0; j < TN; ++j) tile_max = max_acc(tile_max, s[i][j]);
+                for (int i = 0; i < RM; ++i) {
+                    part[i] = A(0);
 #pragma unroll
-            for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
-                tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-            const A m_new = max_acc(m[i], tile_max * c);
-            const A m_use = m_new == neg_inf<A>() ? A(0) : m_new;  // as update_row_state
-            const A alpha = exp2_row(m[i] - m_use);
-            // a row whose max stayed put keeps its acc as it is (alpha 1): most tiles of a
-            // long row
-            if (__any_sync(0xffffffffu, alpha != A(1))) {
+                    for (int j = 0; j < TN; ++j) {
+                        const A x = fma(s[i][j], c, -m[i]);
+                        over |= x > A(LAZY_LOG2);
+                        const A pij = exp2_row(x);
+                        part[i] += pij;
+                        p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;
+                    }
+                }
+                if (!__any_sync(0xffffffffu, over)) {
 #pragma unroll
-                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha;
+                    for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+#pragma unroll
+                        for (int i = 0; i < RM; ++i)
+                            part[i] += __shfl_xor_sync(0xffffffffu, part[i], o);
+#pragma unroll
+                    for (int i = 0; i < RM; ++i) l[i] += part[i];
+                    __syncwarp();
+                    return;
+                }
             }
-            A tile_sum = A(0);
+        }
+        // all RM rows at once, so that their reductions and exp2 chains interleave
+        A mx[RM], sum[RM], alpha[RM];
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+            mx[i] = s[i][0];
+#pragma unroll
+            for (int j = 1; j < TN; ++j) mx[i] = max_acc(mx[i], s[i][j]);
+        }
+#pragma unroll
+        for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+#pragma unroll
+            for (int i = 0; i < RM; ++i)
+                mx[i] = max_acc(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+            const A m_new = max_acc(m[i], mx[i] * c);
+            mx[i] = m_new == neg_inf<A>() ? A(0) : m_new;  // m_use, as update_row_state
+            alpha[i] = exp2_row(m[i] - mx[i]);
+            m[i] = m_new;
+            sum[i] = A(0);
+        }
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
-                const A pij = exp2_row(fma(s[i][j], c, -m_use));
-                tile_sum += pij;
-                p_w[(ly + 4 * i) * PP + lx + 8 * j] = pij;
+                const A pij = exp2_row(fma(s[i][j], c, -mx[i]));
+                sum[i] += pij;
+                p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
             }
 #pragma unroll
-            for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
-                tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
-            l[i] = l[i] * alpha + tile_sum;
-            m[i] = m_new;
+        for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+#pragma unroll
+            for (int i = 0; i < RM; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], o);
+        bool moved = false;
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+            l[i] = l[i] * alpha[i] + sum[i];
+            moved |= alpha[i] != A(1);
+        }
+        // rows whose max stayed put keep their acc as it is (alpha 1): most tiles of a row
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int i = 0; i < RM; ++i)
+#pragma unroll
+                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha[i];
         }
         __syncwarp();  // the warp's P is in shared memory
     };
-    // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f]
+    // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f] (P row 4 ly + i)
     auto pv = [&]() {
-        accumulate_strided<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 4, 8>(
-            acc, p_w, v_s + held % VS * V_ELEMS, ly, lx);
+        accumulate_ahead<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 1, 8>(
+            acc, p_w, v_s + held % VS * V_ELEMS, 4 * ly, lx);
         __syncwarp();  // P is read before the warp's next tile overwrites it
         held = -1;
     };

@@ -62,6 +62,26 @@ template <int ROWS, int COLS, int PAD, bool ALIGNED, typename A>
 __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long row_stride,
                                                 long long col_stride, long long nrows,
                                                 long long ncols) {
+    if constexpr (ALIGNED && THREADS % (COLS / (16 / sizeof(A))) == 0) {
+        // a thread keeps one chunk column and walks rows THREADS / CHUNKS apart: its source
+        // and destination addresses advance by one add each (the general loop below spent
+        // about ten integer instructions per chunk on the row's address)
+        constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
+        static_assert(COLS % VEC == 0, "a tile row is a whole number of 16-byte chunks");
+        const int c = (threadIdx.x % CHUNKS) * VEC;
+        int r = threadIdx.x / CHUNKS;
+        const bool col_ok = c < ncols;
+        const A* g = src + r * row_stride + c;
+        unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * (COLS + PAD) + c));
+        const long long g_step = ROW_STEP * row_stride;
+#pragma unroll 8
+        for (; r < ROWS; r += ROW_STEP, g += g_step, d += ROW_STEP * (COLS + PAD) * sizeof(A)) {
+            const bool ok = col_ok && r < nrows;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d),
+                         "l"(ok ? g : src), "r"(ok ? 16 : 0));
+        }
+        return;
+    }
     if constexpr (ALIGNED) {
         constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC;
         static_assert(COLS % VEC == 0, "a tile row is a whole number of 16-byte chunks");
@@ -155,6 +175,52 @@ __device__ __forceinline__ void accumulate_strided(A (&acc)[TM][TV], const A* p_
             }
         }
     }
+}
+
+// accumulate_strided with its operands loaded one step (VEC keys) ahead, into registers of
+// their own, so that the loads of a step are in flight while the previous step's FMAs run
+// (the forward's warp-tiled form: +3 % at float64 D64 on an H200, docs/kernels.rst,
+// twenty-third session). The last two steps are peeled, so no load is conditional.
+template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, int ROW_STEP, int COL_STEP,
+          typename A>
+__device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s, const A* v_s,
+                                                 int p0, int v0) {
+    constexpr int VEC = 16 / sizeof(A), TU = TV / VEC;
+    static_assert(BLOCK_N % (2 * VEC) == 0, "two steps per pass");
+    A pf[2][TM][VEC], vf[2][VEC][TU][VEC];
+    auto load = [&](int b, int n) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+            lds16(pf[b][i], p_s + (p0 + ROW_STEP * i) * (BLOCK_N + PAD) + n);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+#pragma unroll
+            for (int u = 0; u < TU; ++u)
+                lds16(vf[b][e][u], v_s + (n + e) * (DV_TILE + PAD) + (v0 + COL_STEP * u) * VEC);
+    };
+    auto step = [&](int b) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+#pragma unroll
+            for (int u = 0; u < TU; ++u)
+#pragma unroll
+                for (int i = 0; i < TM; ++i)
+#pragma unroll
+                    for (int f = 0; f < VEC; ++f)
+                        acc[i][u * VEC + f] =
+                            fma(pf[b][i][e], vf[b][e][u][f], acc[i][u * VEC + f]);
+    };
+    load(0, 0);
+#pragma unroll 1
+    for (int n = 0; n < BLOCK_N - 2 * VEC; n += 2 * VEC) {
+        load(1, n + VEC);
+        step(0);
+        load(0, n + 2 * VEC);
+        step(1);
+    }
+    load(1, BLOCK_N - VEC);  // the last two steps
+    step(0);
+    step(1);
 }
 
 // acc[i][u*VEC + f] += sum_n P[ty*TM + i, n] V[n, (tx + 16*u)*VEC + f]: the P.V product of

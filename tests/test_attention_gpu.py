@@ -140,6 +140,28 @@ def test_portable_warps(tiles, dtype, feature, shape):
         assert bad[1, 2, sq // 2] and bad.sum() == 1
 
 
+@pytest.mark.parametrize("tiles", WARPS_TILES, ids=["groups32", "lockstep64"])
+@pytest.mark.parametrize("profile", ["rising", "falling", "mixed", "huge"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_portable_warps_stale_max(tiles, profile, causal):
+    """float64's stale row max (LAZY_LOG2 in attention_portable.cu): key norms that grow
+    along the sequence raise every row's max tile after tile (the exact step each time),
+    falling norms keep the first tile's max (the stale path throughout), mixed rows take
+    both paths within one warp, and scores of 1e4 leave the stale path's range at once."""
+    rng = np.random.default_rng(len(profile) + causal)
+    sq, sk, d = 300, 1000, 64
+    q, k, v = (rng.standard_normal((1, 2, s, d)) for s in (sq, sk, sk))
+    # keys drift along dimension 0 (about 20 log2 units of score per 64-key tile); a query's
+    # sign there says whether its scores rise or fall along the keys
+    k[..., 0] += np.linspace(0.0, 600.0, sk)
+    sign = {"rising": 1.0, "falling": -1.0, "mixed": np.where(np.arange(sq) % 3, 1.0, -1.0),
+            "huge": 0.0}[profile]
+    q[..., 0] = 3.0 * sign
+    if profile == "huge":
+        q = q * 100.0
+    _check("portable", q, k, v, tiles=tiles, causal=causal)
+
+
 #: families that serve float32 with precision="tf32" (sm90_3xtf32 serves "highest" only)
 TF32_FAMILIES = [f.name for f in FAMILIES if "float32" in f.dtypes
                  and (f.precisions is None or "tf32" in f.precisions)]
