@@ -144,10 +144,11 @@ def test_portable_warps(tiles, dtype, feature, shape):
 @pytest.mark.parametrize("profile", ["rising", "falling", "mixed", "huge"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_portable_warps_stale_max(tiles, profile, causal):
-    """float64's stale row max (LAZY_LOG2 in attention_portable.cu): key norms that grow
-    along the sequence raise every row's max tile after tile (the exact step each time),
-    falling norms keep the first tile's max (the stale path throughout), mixed rows take
-    both paths within one warp, and scores of 1e4 leave the stale path's range at once."""
+    """float64's stale row max (LAZY_LOG2 in attention_portable.cu): keys that drift along
+    one dimension raise a row's max tile after tile (the exact step each time) or keep the
+    first tile's max (the stale path throughout), by the sign of the query there; mixed rows
+    take both paths within one warp, and queries scaled by 100 give scores whose maxima
+    jump past the stale range often."""
     rng = np.random.default_rng(len(profile) + causal)
     sq, sk, d = 300, 1000, 64
     q, k, v = (rng.standard_normal((1, 2, s, d)) for s in (sq, sk, sk))
