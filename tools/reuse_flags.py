@@ -148,6 +148,7 @@ def main(modes):
     import cuattn
     import cuattn._kernels as K
     from cuattn._gate import CUPY_APPENDS
+    from cuattn.bench import _time
 
     def load(cubin, tag):
         path = f"/tmp/reuse_flags_{tag}_{os.getpid()}.cubin"
@@ -166,18 +167,8 @@ def main(modes):
         return load(patch(blob, mode)[0], mode).get_function(low[name_expression])
     K._module = functools.cache(module)
 
-    def median_ms(fn, reps=10):
-        fn()
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b))
-        return float(np.median(times))
+    def median_ms(fn, reps=10):  # the bench's timer, a fixed number of calls
+        return _time(fn, cp, warmup=2, max_reps=reps, budget_s=60)
 
     def same(x, ref):
         if ref is None:
