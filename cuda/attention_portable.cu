@@ -326,7 +326,10 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // the next tile is requested once every warp has its scores, V of this tile once every warp
 // is done with the last one's P V): the shared memory that lets 64-key tiles fit, whose
 // lane tiles of 4 x 8 in Q K^T take 0.75 of the shared-memory return rate per DFMA where
-// 32-key tiles take all of it (docs/kernels.rst, twenty-second session).
+// 32-key tiles take all of it (docs/kernels.rst, twenty-second session). With 16-byte
+// copies (ALIGNED) the lockstep loop spreads each copy over a product instead of issuing it
+// after the barrier: V of tile t a row step at a time in the first half of Q K^T, K of tile
+// t + 1 in the first passes of P V (RowCopy, portable_tiles.cuh; twenty-fifth session).
 // P row ly + 4 i of a warp lives at row 4 ly + i of its tile, so that the four rows one
 // store instruction writes fall in two bank halves (two ways of conflict, the least 256
 // bytes take, where the plain order took four); P V reads its operands one step ahead
@@ -420,13 +423,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     A s[RM][TN];  // the scores of key tile `held` (-1: none)
     int held = -1;
     // s = Q K^T for key tile t
-    auto scores_of = [&](int t) {  // rows ly + 4 i, keys lx + 8 j; the contraction unrolled
+    // rows ly + 4 i, keys lx + 8 j; the contraction unrolled, between(step) at each step's head
+    auto scores_of = [&](int t, const auto& between) {
 #pragma unroll
         for (int i = 0; i < RM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) s[i][j] = A(0);
         scores_strided<RM, TN, HEAD_DIM, PAD, 4, 8, HEAD_DIM / VEC>(
-            s, q_w, k_s + t % KS * K_ELEMS + lx * QP, 0, 0);
+            s, q_w, k_s + t % KS * K_ELEMS + lx * QP, 0, 0, between);
         held = t;
     };
     // the held tile's softmax: row state m, l; P into the warp's tile
@@ -526,9 +530,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
         __syncwarp();  // the warp's P is in shared memory
     };
     // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f] (P row 4 ly + i)
-    auto pv = [&]() {
+    auto pv = [&](const auto& between) {
         accumulate_ahead<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 1, 8>(
-            acc, p_w, v_s + held % VS * V_ELEMS, 4 * ly, lx);
+            acc, p_w, v_s + held % VS * V_ELEMS, 4 * ly, lx, between);
         __syncwarp();  // P is read before the warp's next tile overwrites it
         held = -1;
     };
@@ -541,7 +545,66 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                (p.window_left < 0 || n0 + BLOCK_N - 1 >= w0 + off - p.window_left);
     };
 
-    if constexpr (LOCKSTEP) {
+    // Lockstep with 16-byte copies: V's copy (tile t) is spread over the first half of Q K^T,
+    // one row step every V_EVERY contraction steps, and K's (tile t + 1) over the first
+    // K_EVERY-spaced passes of P V, so that the copies issue between the FMAs and have the
+    // rest of the phase to land. Issued in one burst after each barrier, they held every
+    // warp for about 1,600 cycles a tile (clock64 per phase); spread, the kernel runs 1 %
+    // faster (docs/kernels.rst, twenty-fifth session). A warp that skips the tile's products
+    // issues its row steps at once.
+    using KCopy = RowCopy<BLOCK_N, HEAD_DIM, PAD, A>;
+    using VCopy = RowCopy<BLOCK_N, HEAD_DIM_V, PAD, A>;
+    constexpr bool SPREAD = LOCKSTEP && ALIGNED && KCopy::FITS && VCopy::FITS;
+    constexpr int QK_STEPS = HEAD_DIM / VEC, PV_PASSES = BLOCK_N / (2 * VEC) - 1;
+    constexpr int V_EVERY = QK_STEPS >= 2 * VCopy::PARTS ? QK_STEPS / (2 * VCopy::PARTS) : 1;
+    constexpr int K_EVERY = PV_PASSES >= 2 * KCopy::PARTS ? PV_PASSES / (2 * KCopy::PARTS) : 1;
+    auto v_copy = [&](int t) {
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        return VCopy(v_s + t % VS * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.seqlen_k - n0,
+                     p.head_dim_v);
+    };
+    auto k_copy = [&](int t) {
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        return KCopy(k_s + t % KS * K_ELEMS, k + n0 * p.k_s.row, p.k_s.row, p.seqlen_k - n0,
+                     p.head_dim);
+    };
+
+    if constexpr (SPREAD) {
+        for (int t = 0; t < tiles; ++t) {
+            cp_async_wait<0>();  // K (t) has landed ...
+            __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
+            const bool take = takes(t);
+            VCopy vc = v_copy(t);
+            int left = VCopy::PARTS;  // row steps of V still to issue
+            if (take)
+                scores_of(t, [&](int step) {
+                    if (step % V_EVERY == 0 && step / V_EVERY < VCopy::PARTS) {
+                        vc.next(p.v_s.row);
+                        --left;
+                    }
+                });
+            for (; left > 0; --left) vc.next(p.v_s.row);
+            cp_async_commit();
+            if (take) softmax();
+            cp_async_wait<0>();  // V (t) has landed ...
+            __syncthreads();     // ... for every thread, and every warp is done with K (t)
+            if (t + 1 < tiles) {
+                KCopy kc = k_copy(t + 1);
+                left = KCopy::PARTS;
+                if (take)
+                    pv([&](int pass) {
+                        if (pass % K_EVERY == 0 && left > 0) {
+                            kc.next(p.k_s.row);
+                            --left;
+                        }
+                    });
+                for (; left > 0; --left) kc.next(p.k_s.row);
+            } else if (take) {
+                pv(NoSteps());
+            }
+            cp_async_commit();
+        }
+    } else if constexpr (LOCKSTEP) {
         for (int t = 0; t < tiles; ++t) {
             cp_async_wait<0>();  // K (t) has landed ...
             __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
@@ -549,14 +612,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             cp_async_commit();
             const bool take = takes(t);
             if (take) {
-                scores_of(t);
+                scores_of(t, NoSteps());
                 softmax();
             }
             cp_async_wait<0>();  // V (t) has landed ...
             __syncthreads();     // ... for every thread, and every warp is done with K (t)
             if (t + 1 < tiles) request_k(t + 1);
             cp_async_commit();
-            if (take) pv();
+            if (take) pv(NoSteps());
         }
     } else {
         // one pass more than there are tiles: the late group's last softmax and P V
@@ -572,12 +635,12 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                 cp_async_commit();
             }
             const bool take = takes(t);
-            if (take && !late) scores_of(t);
+            if (take && !late) scores_of(t, NoSteps());
             if (held >= 0) {
                 softmax();
-                pv();
+                pv(NoSteps());
             }
-            if (take && late) scores_of(t);
+            if (take && late) scores_of(t, NoSteps());
         }
     }
     cp_async_wait<0>();  // no copy may outlive the block

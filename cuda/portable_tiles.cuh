@@ -112,6 +112,44 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
     }
 }
 
+// load_tile_async's ALIGNED copy one row step at a time: each next() issues this thread's
+// next 16-byte chunk (the chunks load_tile_async gives it, in rows ROW_STEP apart), so that
+// a kernel can spread a tile's copy over the issue slots between a product loop's FMAs
+// instead of issuing it in one burst. The state advances by increments (a source pointer,
+// a shared address, the rows left), which keeps it at four registers. Same zero fill
+// outside [0, nrows) x [0, ncols).
+template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
+    static constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
+    static constexpr int PARTS = ROWS / ROW_STEP;
+    static constexpr bool FITS = COLS % VEC == 0 && THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0;
+    const A* src;
+    unsigned dst;
+    int rows_left;  // rows of the tile from this thread's next row on; <= 0 past the end
+    __device__ __forceinline__ RowCopy(A* tile, const A* g, long long row_stride,
+                                       long long nrows, long long ncols) {
+        static_assert(FITS, "the tile splits into whole row steps of 16-byte chunks");
+        const int c = (threadIdx.x % CHUNKS) * VEC, r = threadIdx.x / CHUNKS;
+        src = g + r * row_stride + c;
+        dst = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * (COLS + PAD) + c));
+        // a chunk past the columns never copies: no rows left for it
+        rows_left = c < ncols ? (int)min(nrows - r, (long long)ROWS) : 0;
+    }
+    __device__ __forceinline__ void next(long long row_stride) {
+        const bool ok = rows_left > 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(ok ? 16 : 0));
+        src += ROW_STEP * row_stride;
+        dst += ROW_STEP * (COLS + PAD) * sizeof(A);
+        rows_left -= ROW_STEP;
+    }
+};
+
+// The product loops below call `between(step)` at the head of each contraction step (of
+// scores_strided) or pass (of accumulate_ahead); NoSteps does nothing.
+struct NoSteps {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
@@ -120,14 +158,16 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // s[i][j] += X[x0 + ROW_STEP*i, :] . Y[y0 + COL_STEP*j, :] over one D_TILE chunk held in
 // shared memory (two row-major tiles of pitch D_TILE + PAD); UNROLL steps of the
-// contraction (VEC values each) unrolled.
+// contraction (VEC values each) unrolled; between(d / VEC) heads each step.
 template <int TM, int TN, int D_TILE, int PAD, int ROW_STEP, int COL_STEP, int UNROLL,
-          typename A>
+          typename A, typename Between = NoSteps>
 __device__ __forceinline__ void scores_strided(A (&s)[TM][TN], const A* x_s, const A* y_s,
-                                               int x0, int y0) {
+                                               int x0, int y0,
+                                               const Between& between = Between()) {
     constexpr int VEC = 16 / sizeof(A);
 #pragma unroll UNROLL
     for (int d = 0; d < D_TILE; d += VEC) {
+        between(d / VEC);
         A qf[TM][VEC], kf[TN][VEC];
 #pragma unroll
         for (int i = 0; i < TM; ++i) lds16(qf[i], x_s + (x0 + ROW_STEP * i) * (D_TILE + PAD) + d);
@@ -180,11 +220,13 @@ __device__ __forceinline__ void accumulate_strided(A (&acc)[TM][TV], const A* p_
 // accumulate_strided with its operands loaded one step (VEC keys) ahead, into registers of
 // their own, so that the loads of a step are in flight while the previous step's FMAs run
 // (the forward's warp-tiled form: +3 % at float64 D64 on an H200, docs/kernels.rst,
-// twenty-third session). The last two steps are peeled, so no load is conditional.
+// twenty-third session). The last two steps are peeled, so no load is conditional;
+// between(pass) heads each of the BLOCK_N / (2 VEC) - 1 passes of the loop.
 template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, int ROW_STEP, int COL_STEP,
-          typename A>
+          typename A, typename Between = NoSteps>
 __device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s, const A* v_s,
-                                                 int p0, int v0) {
+                                                 int p0, int v0,
+                                                 const Between& between = Between()) {
     constexpr int VEC = 16 / sizeof(A), TU = TV / VEC;
     static_assert(BLOCK_N % (2 * VEC) == 0, "two steps per pass");
     A pf[2][TM][VEC], vf[2][VEC][TU][VEC];
@@ -213,6 +255,7 @@ __device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s,
     load(0, 0);
 #pragma unroll 1
     for (int n = 0; n < BLOCK_N - 2 * VEC; n += 2 * VEC) {
+        between(n / (2 * VEC));
         load(1, n + VEC);
         step(0);
         load(0, n + 2 * VEC);
