@@ -327,9 +327,10 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // is done with the last one's P V): the shared memory that lets 64-key tiles fit, whose
 // lane tiles of 4 x 8 in Q K^T take 0.75 of the shared-memory return rate per DFMA where
 // 32-key tiles take all of it (docs/kernels.rst, twenty-second session). With 16-byte
-// copies (ALIGNED) the lockstep loop spreads each copy over a product instead of issuing it
-// after the barrier: V of tile t a row step at a time in the first half of Q K^T, K of tile
-// t + 1 in the first passes of P V (RowCopy, portable_tiles.cuh; twenty-fifth session).
+// copies (ALIGNED) the lockstep loop spreads each copy over a phase instead of issuing it
+// after a barrier: V of tile t a row step at a time in the first half of Q K^T, K of tile
+// t + 1 in the softmax, whose barrier moves before it (RowCopy, portable_tiles.cuh;
+// twenty-fifth session).
 // P row ly + 4 i of a warp lives at row 4 ly + i of its tile, so that the four rows one
 // store instruction writes fall in two bank halves (two ways of conflict, the least 256
 // bytes take, where the plain order took four); P V reads its operands one step ahead
@@ -433,8 +434,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             s, q_w, k_s + t % KS * K_ELEMS + lx * QP, 0, 0, between);
         held = t;
     };
-    // the held tile's softmax: row state m, l; P into the warp's tile
-    auto softmax = [&]() {
+    // the held tile's softmax: row state m, l; P into the warp's tile; between(k) before
+    // every fourth exp2 of a row (eight times a path for 64-key tiles)
+    auto softmax = [&](const auto& between) {
         const long long n0 = n_lo + (long long)held * BLOCK_N;
         const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
         // an interior tile without softcap or bias keeps its raw dot products: the scale
@@ -461,6 +463,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                     part[i] = A(0);
 #pragma unroll
                     for (int j = 0; j < TN; ++j) {
+                        if (j % 4 == 0) between(2 * i + j / 4);
                         const A x = fma(s[i][j], c, -m[i]);
                         over |= x > A(LAZY_LOG2);
                         const A pij = exp2_row(x);
@@ -506,6 +509,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
         for (int i = 0; i < RM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
+                if (j % 4 == 0) between(2 * i + j / 4);
                 const A pij = exp2_row(fma(s[i][j], c, -mx[i]));
                 sum[i] += pij;
                 p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
@@ -530,9 +534,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
         __syncwarp();  // the warp's P is in shared memory
     };
     // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f] (P row 4 ly + i)
-    auto pv = [&](const auto& between) {
+    auto pv = [&]() {
         accumulate_ahead<RM, TV, BLOCK_N, HEAD_DIM_V, PAD, 1, 8>(
-            acc, p_w, v_s + held % VS * V_ELEMS, 4 * ly, lx, between);
+            acc, p_w, v_s + held % VS * V_ELEMS, 4 * ly, lx);
         __syncwarp();  // P is read before the warp's next tile overwrites it
         held = -1;
     };
@@ -546,18 +550,19 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     };
 
     // Lockstep with 16-byte copies: V's copy (tile t) is spread over the first half of Q K^T,
-    // one row step every V_EVERY contraction steps, and K's (tile t + 1) over the first
-    // K_EVERY-spaced passes of P V, so that the copies issue between the FMAs and have the
-    // rest of the phase to land. Issued in one burst after each barrier, they held every
-    // warp for about 1,600 cycles a tile (clock64 per phase); spread, the kernel runs 1 %
-    // faster (docs/kernels.rst, twenty-fifth session). A warp that skips the tile's products
-    // issues its row steps at once.
+    // one row step every V_EVERY contraction steps, so that it issues between the FMAs and
+    // lands by the end of Q K^T; the second barrier then comes before the softmax (K (t) is
+    // free once every warp has its scores), and K's copy (tile t + 1) is spread over the
+    // softmax, a row step every four exp2 per row, where the exp2 chains leave issue slots.
+    // Issued in one burst after each barrier, the copies held every warp for about 1,600
+    // cycles a tile (clock64 per phase); spread, the kernel runs 2 % faster
+    // (docs/kernels.rst, twenty-fifth session). A warp that skips the tile's products issues
+    // its row steps at once.
     using KCopy = RowCopy<BLOCK_N, HEAD_DIM, PAD, A>;
     using VCopy = RowCopy<BLOCK_N, HEAD_DIM_V, PAD, A>;
     constexpr bool SPREAD = LOCKSTEP && ALIGNED && KCopy::FITS && VCopy::FITS;
-    constexpr int QK_STEPS = HEAD_DIM / VEC, PV_PASSES = BLOCK_N / (2 * VEC) - 1;
+    constexpr int QK_STEPS = HEAD_DIM / VEC;
     constexpr int V_EVERY = QK_STEPS >= 2 * VCopy::PARTS ? QK_STEPS / (2 * VCopy::PARTS) : 1;
-    constexpr int K_EVERY = PV_PASSES >= 2 * KCopy::PARTS ? PV_PASSES / (2 * KCopy::PARTS) : 1;
     auto v_copy = [&](int t) {
         const long long n0 = n_lo + (long long)t * BLOCK_N;
         return VCopy(v_s + t % VS * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.seqlen_k - n0,
@@ -585,24 +590,21 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                 });
             for (; left > 0; --left) vc.next(p.v_s.row);
             cp_async_commit();
-            if (take) softmax();
             cp_async_wait<0>();  // V (t) has landed ...
             __syncthreads();     // ... for every thread, and every warp is done with K (t)
-            if (t + 1 < tiles) {
-                KCopy kc = k_copy(t + 1);
-                left = KCopy::PARTS;
-                if (take)
-                    pv([&](int pass) {
-                        if (pass % K_EVERY == 0 && left > 0) {
-                            kc.next(p.k_s.row);
-                            --left;
-                        }
-                    });
-                for (; left > 0; --left) kc.next(p.k_s.row);
-            } else if (take) {
-                pv(NoSteps());
-            }
+            // K of tile t + 1 (none after the last tile) between the softmax's exp2 chains
+            KCopy kc = k_copy(t + 1);
+            left = t + 1 < tiles ? KCopy::PARTS : 0;
+            if (take)
+                softmax([&](int) {
+                    if (left > 0) {
+                        kc.next(p.k_s.row);
+                        --left;
+                    }
+                });
+            for (; left > 0; --left) kc.next(p.k_s.row);
             cp_async_commit();
+            if (take) pv();
         }
     } else if constexpr (LOCKSTEP) {
         for (int t = 0; t < tiles; ++t) {
@@ -613,13 +615,13 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             const bool take = takes(t);
             if (take) {
                 scores_of(t, NoSteps());
-                softmax();
+                softmax(NoSteps());
             }
             cp_async_wait<0>();  // V (t) has landed ...
             __syncthreads();     // ... for every thread, and every warp is done with K (t)
             if (t + 1 < tiles) request_k(t + 1);
             cp_async_commit();
-            if (take) pv(NoSteps());
+            if (take) pv();
         }
     } else {
         // one pass more than there are tiles: the late group's last softmax and P V
@@ -637,8 +639,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             const bool take = takes(t);
             if (take && !late) scores_of(t, NoSteps());
             if (held >= 0) {
-                softmax();
-                pv(NoSteps());
+                softmax(NoSteps());
+                pv();
             }
             if (take && late) scores_of(t, NoSteps());
         }

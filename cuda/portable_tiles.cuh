@@ -144,8 +144,8 @@ template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
     }
 };
 
-// The product loops below call `between(step)` at the head of each contraction step (of
-// scores_strided) or pass (of accumulate_ahead); NoSteps does nothing.
+// scores_strided calls `between(step)` at the head of each contraction step; NoSteps does
+// nothing.
 struct NoSteps {
     __device__ __forceinline__ void operator()(int) const {}
 };
@@ -220,13 +220,11 @@ __device__ __forceinline__ void accumulate_strided(A (&acc)[TM][TV], const A* p_
 // accumulate_strided with its operands loaded one step (VEC keys) ahead, into registers of
 // their own, so that the loads of a step are in flight while the previous step's FMAs run
 // (the forward's warp-tiled form: +3 % at float64 D64 on an H200, docs/kernels.rst,
-// twenty-third session). The last two steps are peeled, so no load is conditional;
-// between(pass) heads each of the BLOCK_N / (2 VEC) - 1 passes of the loop.
+// twenty-third session). The last two steps are peeled, so no load is conditional.
 template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, int ROW_STEP, int COL_STEP,
-          typename A, typename Between = NoSteps>
+          typename A>
 __device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s, const A* v_s,
-                                                 int p0, int v0,
-                                                 const Between& between = Between()) {
+                                                 int p0, int v0) {
     constexpr int VEC = 16 / sizeof(A), TU = TV / VEC;
     static_assert(BLOCK_N % (2 * VEC) == 0, "two steps per pass");
     A pf[2][TM][VEC], vf[2][VEC][TU][VEC];
@@ -255,7 +253,6 @@ __device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s,
     load(0, 0);
 #pragma unroll 1
     for (int n = 0; n < BLOCK_N - 2 * VEC; n += 2 * VEC) {
-        between(n / (2 * VEC));
         load(1, n + VEC);
         step(0);
         load(0, n + 2 * VEC);
