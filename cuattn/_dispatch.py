@@ -135,7 +135,8 @@ PORTABLE_TILES = (
      "fp64 D64: the warp-tiled form with 64-key tiles, all warps in step (198 KB of shared "
      "memory: sm_90) 19.0 / 17.8, with 32-key tiles in two groups (187 KB) 17.9 / 17.1 "
      "(session 23, one run, before P V's operands one step ahead: 19.6 / 18.8 with it; "
-     "session 25, the copies spread over the products: 19.86 / 19.01 against 19.66 / 18.97); "
+     "session 25, the K and V copies spread over Q K^T and the softmax: 20.0-20.1 / "
+     "19.0-19.3 where the session-23 form ran 19.6-19.7 / 18.5-19.0); "
      "session 22: in step with 32-key tiles 16.3 / 15.9; session 15: 64x64 13.5 / 13.4, "
      "128x32 14.2 / 13.9, 64x32 11.2 / 11.3 (the H200 runs float64 on mma_f64)"),
     (("float64",), 1024,

@@ -24,13 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("wait for K, barrier 1", "Q K^T, V copy spread", "softmax, P stored",
-          "wait for V, barrier 2", "P V, K copy spread")
-# (line after which a phase ends, phase index); each line occurs once in the SPREAD loop
+PHASES = ("wait for K, barrier 1", "Q K^T, V copy spread", "wait for V, barrier 2",
+          "softmax, P stored, K copy spread", "P V")
+# (line after which a phase ends, phase index); each line occurs once in the SPREAD loop;
+# a copy's remainder loop ends its phase with the commit on the next line
 MARKS = (("__syncthreads();     // ... for every thread, and every warp is done with V (t - 1)", 0),
-         ("for (; left > 0; --left) vc.next(p.v_s.row);", None),  # followed by the commit
-         ("if (take) softmax();", 2),
-         ("__syncthreads();     // ... for every thread, and every warp is done with K (t)", 3))
+         ("for (; left > 0; --left) vc.next(p.v_s.row);", 1),
+         ("__syncthreads();     // ... for every thread, and every warp is done with K (t)", 2),
+         ("for (; left > 0; --left) kc.next(p.k_s.row);", 3),
+         ("if (take) pv();", 4))
 LOOP_START, LOOP_END = "    if constexpr (SPREAD) {", "    } else if constexpr (LOCKSTEP) {"
 GLOBAL = "cuattn_phase_cycles"
 
@@ -52,16 +54,14 @@ def instrument(text: str) -> str:
     inserts = {}
     for needle, phase in MARKS:
         at = find(needle)
-        if phase is None:  # the V copy's commit closes the Q K^T phase
+        if needle.startswith("for (; left"):  # the copy's commit closes the phase
             if lines[at + 1].strip() != "cp_async_commit();":
-                raise SystemExit("phase_cycles: no cp_async_commit() after the V copy")
-            at, phase = at + 1, 1
+                raise SystemExit(f"phase_cycles: no cp_async_commit() after {needle!r}")
+            at += 1
         inserts[at] = phase
-    # the loop body's last line before its closing brace: the commit after P V and K's copy
-    close = max(i for i, line in enumerate(lines) if line == "        }")
-    if lines[close - 1].strip() != "cp_async_commit();":
-        raise SystemExit("phase_cycles: the loop body does not end with cp_async_commit()")
-    inserts[close - 1] = 4
+    close = max(inserts) + 1  # the loop body's closing brace follows P V
+    if lines[close] != "        }":
+        raise SystemExit("phase_cycles: the loop body does not end with P V")
     out = []
     for i, line in enumerate(lines):
         out.append(line)
