@@ -423,8 +423,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
 
     A s[RM][TN];  // the scores of key tile `held` (-1: none)
     int held = -1;
-    // s = Q K^T for key tile t
-    // rows ly + 4 i, keys lx + 8 j; the contraction unrolled, between(step) at each step's head
+    // s = Q K^T for key tile t: rows ly + 4 i, keys lx + 8 j; the contraction unrolled,
+    // between(step) at the head of each step
     auto scores_of = [&](int t, const auto& between) {
 #pragma unroll
         for (int i = 0; i < RM; ++i)

@@ -114,10 +114,11 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
 
 // load_tile_async's ALIGNED copy one row step at a time: each next() issues this thread's
 // next 16-byte chunk (the chunks load_tile_async gives it, in rows ROW_STEP apart), so that
-// a kernel can spread a tile's copy over the issue slots between a product loop's FMAs
-// instead of issuing it in one burst. The state advances by increments (a source pointer,
-// a shared address, the rows left), which keeps it at four registers. Same zero fill
-// outside [0, nrows) x [0, ncols).
+// a kernel can spread a tile's copy over the free issue slots of a phase (between a
+// product's FMAs, or a softmax's exp2 chains) instead of issuing it in one burst after a
+// barrier, which every warp then waits out. The state advances by increments (a source
+// pointer, a shared address, the rows left), which keeps it at four registers. Same zero
+// fill outside [0, nrows) x [0, ncols).
 template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
     static constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
     static constexpr int PARTS = ROWS / ROW_STEP;
