@@ -52,6 +52,39 @@ __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_st
         dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? to_acc(*ptr) : A(0);
 }
 
+// The ALIGNED copy of load_tile_async (below) one row step at a time: each next() issues
+// this thread's next 16-byte chunk (load_tile_async's chunks, in rows ROW_STEP apart), so that
+// a kernel can spread a tile's copy over the free issue slots of a phase (between a
+// product's FMAs, or a softmax's exp2 chains) instead of issuing it in one burst after a
+// barrier, which every warp then waits out. The state advances by increments (a source
+// pointer, a shared address, the rows left), which keeps it at four registers. Same zero
+// fill outside [0, nrows) x [0, ncols).
+template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
+    static constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
+    static constexpr int PARTS = ROWS / ROW_STEP;
+    static constexpr bool FITS = COLS % VEC == 0 && THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0;
+    const A* src;
+    unsigned dst;
+    int rows_left;  // rows of the tile from this thread's next row on; <= 0 past the end
+    __device__ __forceinline__ RowCopy(A* tile, const A* g, long long row_stride,
+                                       long long nrows, long long ncols) {
+        static_assert(FITS, "the tile splits into whole row steps of 16-byte chunks");
+        const int c = (threadIdx.x % CHUNKS) * VEC, r = threadIdx.x / CHUNKS;
+        src = g + r * row_stride + c;
+        dst = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * (COLS + PAD) + c));
+        // a chunk past the columns never copies: no rows left for it
+        rows_left = c < ncols ? (int)min(nrows - r, (long long)ROWS) : 0;
+    }
+    __device__ __forceinline__ void next(long long row_stride) {
+        const bool ok = rows_left > 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(ok ? 16 : 0));
+        src += ROW_STEP * row_stride;
+        dst += ROW_STEP * (COLS + PAD) * sizeof(A);
+        rows_left -= ROW_STEP;
+    }
+};
+
 // load_tile through cp.async (sm_80+): the copy runs in the background until
 // cp_async_wait; elements outside the tile's valid range are zero-filled (src-size 0).
 // Only for T == A (float32, float64): 16-bit inputs are converted on load instead.
@@ -66,7 +99,8 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
         // a thread keeps one chunk column and walks rows THREADS / CHUNKS apart: its source
         // and destination addresses advance by one add each (the general loop below spent
         // about ten integer instructions per chunk on the row's address)
-        constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
+        using Layout = RowCopy<ROWS, COLS, PAD, A>;  // the same chunks as RowCopy's
+        constexpr int VEC = Layout::VEC, CHUNKS = Layout::CHUNKS, ROW_STEP = Layout::ROW_STEP;
         static_assert(COLS % VEC == 0, "a tile row is a whole number of 16-byte chunks");
         const int c = (threadIdx.x % CHUNKS) * VEC;
         int r = threadIdx.x / CHUNKS;
@@ -111,39 +145,6 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
                      "l"(ok ? ptr : src), "n"(sizeof(A)), "r"(ok ? (int)sizeof(A) : 0));
     }
 }
-
-// load_tile_async's ALIGNED copy one row step at a time: each next() issues this thread's
-// next 16-byte chunk (the chunks load_tile_async gives it, in rows ROW_STEP apart), so that
-// a kernel can spread a tile's copy over the free issue slots of a phase (between a
-// product's FMAs, or a softmax's exp2 chains) instead of issuing it in one burst after a
-// barrier, which every warp then waits out. The state advances by increments (a source
-// pointer, a shared address, the rows left), which keeps it at four registers. Same zero
-// fill outside [0, nrows) x [0, ncols).
-template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
-    static constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
-    static constexpr int PARTS = ROWS / ROW_STEP;
-    static constexpr bool FITS = COLS % VEC == 0 && THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0;
-    const A* src;
-    unsigned dst;
-    int rows_left;  // rows of the tile from this thread's next row on; <= 0 past the end
-    __device__ __forceinline__ RowCopy(A* tile, const A* g, long long row_stride,
-                                       long long nrows, long long ncols) {
-        static_assert(FITS, "the tile splits into whole row steps of 16-byte chunks");
-        const int c = (threadIdx.x % CHUNKS) * VEC, r = threadIdx.x / CHUNKS;
-        src = g + r * row_stride + c;
-        dst = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * (COLS + PAD) + c));
-        // a chunk past the columns never copies: no rows left for it
-        rows_left = c < ncols ? (int)min(nrows - r, (long long)ROWS) : 0;
-    }
-    __device__ __forceinline__ void next(long long row_stride) {
-        const bool ok = rows_left > 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(ok ? 16 : 0));
-        src += ROW_STEP * row_stride;
-        dst += ROW_STEP * (COLS + PAD) * sizeof(A);
-        rows_left -= ROW_STEP;
-    }
-};
 
 // scores_strided calls `between(step)` at the head of each contraction step; NoSteps does
 // nothing.
