@@ -58,17 +58,19 @@ __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_st
 // product's FMAs, or a softmax's exp2 chains) instead of issuing it in one burst after a
 // barrier, which every warp then waits out. The state advances by increments (a source
 // pointer, a shared address, the rows left), which keeps it at four registers. Same zero
-// fill outside [0, nrows) x [0, ncols).
+// fill outside [0, nrows) x [0, ncols). A tile is PARTS row steps when FITS; otherwise the
+// caller stops at row ROWS (load_tile_async's loop), since a step past it writes past the tile.
 template <int ROWS, int COLS, int PAD, typename A> struct RowCopy {
     static constexpr int VEC = 16 / sizeof(A), CHUNKS = COLS / VEC, ROW_STEP = THREADS / CHUNKS;
     static constexpr int PARTS = ROWS / ROW_STEP;
-    static constexpr bool FITS = COLS % VEC == 0 && THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0;
+    static constexpr bool CHUNKED = COLS % VEC == 0 && THREADS % CHUNKS == 0;
+    static constexpr bool FITS = CHUNKED && ROWS % ROW_STEP == 0;
     const A* src;
     unsigned dst;
     int rows_left;  // rows of the tile from this thread's next row on; <= 0 past the end
     __device__ __forceinline__ RowCopy(A* tile, const A* g, long long row_stride,
                                        long long nrows, long long ncols) {
-        static_assert(FITS, "the tile splits into whole row steps of 16-byte chunks");
+        static_assert(CHUNKED, "a tile row is whole 16-byte chunks, and its chunks divide the block");
         const int c = (threadIdx.x % CHUNKS) * VEC, r = threadIdx.x / CHUNKS;
         src = g + r * row_stride + c;
         dst = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * (COLS + PAD) + c));
@@ -96,24 +98,13 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
                                                 long long col_stride, long long nrows,
                                                 long long ncols) {
     if constexpr (ALIGNED && THREADS % (COLS / (16 / sizeof(A))) == 0) {
-        // a thread keeps one chunk column and walks rows THREADS / CHUNKS apart: its source
-        // and destination addresses advance by one add each (the general loop below spent
-        // about ten integer instructions per chunk on the row's address)
-        using Layout = RowCopy<ROWS, COLS, PAD, A>;  // the same chunks as RowCopy's
-        constexpr int VEC = Layout::VEC, CHUNKS = Layout::CHUNKS, ROW_STEP = Layout::ROW_STEP;
-        static_assert(COLS % VEC == 0, "a tile row is a whole number of 16-byte chunks");
-        const int c = (threadIdx.x % CHUNKS) * VEC;
-        int r = threadIdx.x / CHUNKS;
-        const bool col_ok = c < ncols;
-        const A* g = src + r * row_stride + c;
-        unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * (COLS + PAD) + c));
-        const long long g_step = ROW_STEP * row_stride;
+        // a thread keeps one chunk column and walks rows THREADS / CHUNKS apart, its
+        // addresses advancing by one add each (the general loop below spent about ten
+        // integer instructions per chunk on the row's address): RowCopy's row steps in a loop
+        using Copy = RowCopy<ROWS, COLS, PAD, A>;
+        Copy copy(dst, src, row_stride, nrows, ncols);
 #pragma unroll 8
-        for (; r < ROWS; r += ROW_STEP, g += g_step, d += ROW_STEP * (COLS + PAD) * sizeof(A)) {
-            const bool ok = col_ok && r < nrows;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d),
-                         "l"(ok ? g : src), "r"(ok ? 16 : 0));
-        }
+        for (int r = threadIdx.x / Copy::CHUNKS; r < ROWS; r += Copy::ROW_STEP) copy.next(row_stride);
         return;
     }
     if constexpr (ALIGNED) {
