@@ -101,11 +101,12 @@ def cmd_demo(args) -> int:
         # on the GPU, 100 calls first (the clocks rise from idle and the kernels compile),
         # then the mean of 200: 20 calls after one gave 0.35-0.72 ms for the same float16
         # layer on an H200
-        for _ in range(100 if cupy is not None else 1):
+        warmup, reps = (100, 200) if cupy is not None else (1, 20)
+        for _ in range(warmup):
             y = cuattn.multi_head_attention(x, *w, num_heads=heads)
         if cupy is not None:
             cupy.cuda.Device().synchronize()
-        reps, t0 = (200 if cupy is not None else 20), time.perf_counter()
+        t0 = time.perf_counter()
         for _ in range(reps):
             y = cuattn.multi_head_attention(x, *w, num_heads=heads)
         if cupy is not None:

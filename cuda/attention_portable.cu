@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
         held = t;
     };
     // the held tile's softmax: row state m, l; P into the warp's tile; between(k) before
-    // every fourth exp2 of a row (eight times a path for 64-key tiles)
+    // every fourth exp2 of a row, k counting them (eight times a path for 64-key tiles)
     auto softmax = [&](const auto& between) {
         const long long n0 = n_lo + (long long)held * BLOCK_N;
         const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                     part[i] = A(0);
 #pragma unroll
                     for (int j = 0; j < TN; ++j) {
-                        if (j % 4 == 0) between(2 * i + j / 4);
+                        if (j % 4 == 0) between((i * TN + j) / 4);
                         const A x = fma(s[i][j], c, -m[i]);
                         over |= x > A(LAZY_LOG2);
                         const A pij = exp2_row(x);
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
         for (int i = 0; i < RM; ++i)
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
-                if (j % 4 == 0) between(2 * i + j / 4);
+                if (j % 4 == 0) between((i * TN + j) / 4);
                 const A pij = exp2_row(fma(s[i][j], c, -mx[i]));
                 sum[i] += pij;
                 p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
