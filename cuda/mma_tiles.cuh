@@ -140,9 +140,19 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
                                           long long col_stride, long long nrows,
                                           long long ncols, At at) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
-    static_assert(COLS % CHUNK == 0 && THREADS % CHUNKS == 0,
-                  "whole 16-byte chunks per row, whole rows per pass of the block");
-    if constexpr (ALIGNED) {
+    static_assert(COLS % CHUNK == 0, "whole 16-byte chunks per row");
+    if constexpr (ALIGNED && THREADS % CHUNKS != 0) {
+        // rows of a chunk count that does not divide the block (head dims 96, 192):
+        // the chunks taken in flat order, each thread's column changing from step to step
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
+            const bool ok = r < nrows && c < ncols;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                             smem_addr(dst + at(r, c))),
+                         "l"(ok ? src + r * row_stride + c : src), "r"(ok ? 16 : 0));
+        }
+    } else if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
         constexpr bool AFFINE = ROW_STEP % At::ROW_PERIOD == 0;
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
@@ -198,7 +208,7 @@ __device__ __forceinline__ void load_kv_tiles(T* k_dst, T* v_dst, const T* k, co
 template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At, typename F>
 __device__ __forceinline__ void for_own_chunks(At at, F f) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
-    if constexpr (ALIGNED) {
+    if constexpr (ALIGNED && THREADS % CHUNKS == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
         constexpr bool AFFINE = ROW_STEP % At::ROW_PERIOD == 0;
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
