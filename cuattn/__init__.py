@@ -1,7 +1,7 @@
 """cuattn: exact, fast attention for CuPy and NumPy.
 
 ``cuattn.attention(q, k, v)`` runs cuattn's own CUDA kernels on CuPy arrays and a blocked
-NumPy implementation on NumPy arrays, with the same semantics (API.md).
+NumPy implementation on NumPy arrays, with the same semantics (cuattn.reference).
 """
 from .attention import attention, attention_backward, attention_vjp, multi_head_attention
 from .elementwise import vector_add

@@ -20,14 +20,13 @@ from ._kernels import c_type_name
 
 __all__ = ["FAMILIES", "PORTABLE_TILES", "MMA_TILES", "MMA_F32_TILES", "MMA_F64_TILES", "Tiles",
            "MmaTiles", "SM90_TILES", "Sm90Tiles", "PipedTiles", "SM90_TF32_TILES",
-           "SM90_3XTF32_TILES", "PIPED_SPLIT_FROM", "sm90_piped_smem_bytes",
-           "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice", "mma_wide_smem_bytes",
-           "forward_kernel", "portable_smem_bytes", "mma_smem_bytes", "forward_instances",
+           "sm90_piped_smem_bytes", "sm90_smem_bytes", "sm90_tf32_smem_bytes", "KernelChoice",
+           "mma_wide_smem_bytes", "forward_kernel", "portable_smem_bytes", "mma_smem_bytes",
+           "forward_instances",
            "BACKWARD_FAMILIES", "BACKWARD_TILES", "MMA_BACKWARD_TILES", "BwdTiles",
            "MmaBwdTiles", "BackwardChoice", "mma_backward_smem_bytes", "MMA_F32_BACKWARD_TILES",
            "MmaF32BwdTiles", "mma_f32_backward_smem_bytes", "SM90_BACKWARD_TILES",
-           "Sm90BwdTiles", "sm90_backward_smem_bytes", "SM90_F32_BACKWARD_TILES",
-           "Sm90F32BwdTiles", "sm90_f32_backward_smem_bytes", "SM90_3XF16_BACKWARD_TILES",
+           "Sm90BwdTiles", "sm90_backward_smem_bytes", "SM90_3XF16_BACKWARD_TILES",
            "Sm90F16SplitBwdTiles", "sm90_3xf16_backward_smem_bytes",
            "backward_kernels", "backward_smem_bytes", "backward_instances"]
 
@@ -60,37 +59,21 @@ class Family:
 #: capability, dtype, precision and head dims it meets.
 FAMILIES = (
     Family("sm90", "attention_sm90.cu", (9, 0), ("float16", "bfloat16"), 128,
-           "Hopper warpgroup MMA (wgmma, sm_90a), 16-bit inputs, head dims to 128 (the "
-           "register budget of a 64-row warpgroup tile); sm_90a code runs on sm_90 only",
+           "Hopper wgmma (sm_90a), 16-bit inputs; head dims to 128 (registers)",
            archs=((9, 0),)),
     Family("mma", "attention_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
-           "tensor cores through mma.sync m16n8k16 (Ampere and newer), 16-bit inputs"),
+           "mma.sync m16n8k16 tensor cores (Ampere and newer), 16-bit inputs"),
     Family("sm90_tf32", "attention_sm90_tf32.cu", (9, 0), ("float32",), 128,
-           "float32 with precision='tf32' on Hopper warpgroup MMA (wgmma .tf32, sm_90a), head "
-           "dims to 128 (registers and shared memory of the float tiles); sm_90a code runs on "
-           "sm_90 only", precisions=("tf32",), archs=((9, 0),)),
+           "float32 'tf32' on Hopper wgmma .tf32 (sm_90a); head dims to 128 (registers)",
+           precisions=("tf32",), archs=((9, 0),)),
     Family("sm90_3xf16", "attention_sm90_3xf16.cu", (9, 0), ("float32",), 128,
-           "float32 with precision='highest' on Hopper's float16 warpgroup MMA: the 3xTF32 "
-           "split's values scaled by powers of two into float16 (attention_fwd_magnitudes "
-           "first), the forward of the sm90_3xf16 backward, whose recomputed scores must "
-           "be these scores; head dims to 128. Before sm90_3xtf32 for the backward's sake "
-           "(docs/kernels.rst, twentieth session): its own speed is 0.78x / 0.96x the TF32 "
-           "split's piped instance at D64 / D128 (B4 H16 S4096), with a fifth of its extra "
-           "memory", precisions=("highest",), archs=((9, 0),)),
-    Family("sm90_3xtf32", "attention_sm90_tf32.cu", (9, 0), ("float32",), 128,
-           "float32 with precision='highest' on Hopper warpgroup MMA by the 3xTF32 split (three "
-           "TF32 products per product, small terms first, P V per key tile added in float32), "
-           "head dims to 128; sm_90a code runs on sm_90 only", precisions=("highest",),
-           archs=((9, 0),)),
+           "float32 'highest' on Hopper f16 wgmma: the 3xTF32 split scaled into float16",
+           precisions=("highest",), archs=((9, 0),)),
     Family("mma_f32", "attention_mma_wide.cu", (8, 0), ("float32",), 256,
-           "float32 with precision='tf32' on tensor cores (mma.sync m16n8k8 TF32); "
-           "'highest' is sm90_3xtf32's on Hopper and portable's elsewhere: this kernel's "
-           "3xTF32 (P V accumulated into O) missed the accuracy rule by up to 2.0x",
-           precisions=("tf32",)),
+           "float32 'tf32' on mma.sync m16n8k8 TF32 tensor cores", precisions=("tf32",)),
     Family("mma_f64", "attention_mma_wide.cu", (8, 0), ("float64",), 128,
-           "float64 on the FP64 tensor cores (DMMA) of A100, H100/H200 and B200 only (the "
-           "other sm_8x/sm_12x parts have none); head dims above 128 would spill the "
-           "double accumulators", archs=((8, 0), (9, 0), (10, 0))),
+           "float64 on the DMMA tensor cores of A100, H100/H200, B200; head dims to 128",
+           archs=((8, 0), (9, 0), (10, 0))),
     Family("portable", "attention_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
            "CUDA cores, every dtype and feature, head dims to 1024: the reference kernel"),
@@ -115,33 +98,25 @@ class Tiles:
 #: Portable family: (dtypes, largest head dim, candidate tiles in order of preference, the
 #: measurement behind the order). A call takes the first row that matches its dtype and head
 #: dims, then the first candidate whose shared memory fits the device; the last candidate of
-#: each row fits 48 KB, so every GPU gets one. Timings: H200, B4 H16 S4096 (fp32) and
-#: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal, tools/sweep_tiles.py.
+#: each row fits 48 KB, so every GPU gets one. Reasons: H200, B4 H16 S4096 (fp32) and
+#: B1 H16 S4096 (fp64), TFLOP/s non-causal / causal of the first candidate.
 PORTABLE_TILES = (
     (("float16", "bfloat16", "float32"), 64,
      (Tiles(128, 128, 64, 64, 1), Tiles(128, 64, 64, 64, 1), Tiles(64, 64, 64, 64, 1),
       Tiles(32, 32, 64, 64, 2)),
-     "fp32 D64, one V buffer, 16-byte copies, skipped row groups: 128x128 36.5 / 32.6, "
-     "128x64 33.3 / 30.5, 64x64 (2/SM) 29.8 / 28.2"),
+     "fp32 D64: 36.5 / 32.6, 128x128"),
     (("float16", "bfloat16", "float32"), 1024,
      (Tiles(128, 64, 128, 128, 1), Tiles(128, 32, 128, 128, 1), Tiles(64, 64, 128, 128, 1),
       Tiles(32, 32, 64, 64, 2)),
-     "fp32 D128, as above: 128x64 37.7 / 33.9, 128x32 31.6 / 29.1, 64x64 29.8 / 28.6 (before "
-     "the cost-ordered causal grid)"),
+     "fp32 D128: 37.7 / 33.9, 128x64"),
     (("float64",), 64,
      (Tiles(128, 64, 64, 64, 1, warps=True, lockstep=True),
       Tiles(128, 32, 64, 64, 1, warps=True), Tiles(64, 64, 64, 64, 1),
       Tiles(32, 32, 64, 64, 1)),
-     "fp64 D64: the warp-tiled form with 64-key tiles, all warps in step (198 KB of shared "
-     "memory: sm_90) 19.0 / 17.8, with 32-key tiles in two groups (187 KB) 17.9 / 17.1 "
-     "(session 23, one run, before P V's operands one step ahead: 19.6 / 18.8 with it; "
-     "session 25, the K and V copies spread over Q K^T and the softmax: 20.0-20.1 / "
-     "19.0-19.3 where the session-23 form ran 19.6-19.7 / 18.5-19.0); "
-     "session 22: in step with 32-key tiles 16.3 / 15.9; session 15: 64x64 13.5 / 13.4, "
-     "128x32 14.2 / 13.9, 64x32 11.2 / 11.3 (the H200 runs float64 on mma_f64)"),
+     "fp64 D64: 20.0 / 19.0, warp-tiled, 64-key tiles in step (198 KB: sm_90)"),
     (("float64",), 1024,
      (Tiles(64, 32, 128, 128, 1), Tiles(32, 32, 32, 32, 1)),
-     "fp64 D128, one V buffer: 64x32 13.0 / 11.8, 32x32 9.1 / 9.0; 64x64 does not fit"),
+     "fp64 D128: 13.0 / 11.8, 64x32; 64x64 does not fit"),
 )
 
 
@@ -161,18 +136,11 @@ class MmaTiles:
 #: Head dims are padded to a multiple of 64 inside the kernel (zero-filled in shared memory).
 MMA_TILES = (
     (64, (MmaTiles(64, 64, 1, 3), MmaTiles(128, 64, 2), MmaTiles(64, 64)),
-     "H200 bf16 B4 H16 S4096 D64, one-pass loader (session 4): 64x64 capped at 3 blocks per "
-     "SM 234.1 / 211.0 TFLOP/s (non-causal / causal), 128x64 with 2 row tiles per warp "
-     "216.3 / 199.6, 64x64 208.5 / 192.5, 64x32 at 3 blocks 188.9 / 170.5; before the "
-     "loader 128x64 led: 196.8 / 146.6 vs 168.9 / 140.8"),
+     "H200 bf16 D64 S4096: 234.1 / 211.0 TFLOP/s, capped at 3 blocks/SM"),
     (128, (MmaTiles(128, 32, 2), MmaTiles(64, 64)),
-     "H200 bf16 D128, session 4: 128x32 with 2 row tiles 275.4 / 237.1, 64x32 capped at 3 "
-     "blocks per SM 226.8 / 229.5, at 2 blocks 224.1 / 207.0, 64x16 at 3 163.7 / 166.9. "
-     "Earlier: 128x32 with 2 row tiles 219.9 / 171.7, spill-free; 128x64 with 2 reaches "
-     "226.1 / 175.6 but spills 172 B; 64x64 with 1: 189.1 / 163.6; 64x32 with 1 capped at 3 "
-     "blocks per SM 185.6 / 158.8"),
+     "H200 bf16 D128 S4096: 275.4 / 237.1 TFLOP/s, 2 row tiles per warp"),
     (256, (MmaTiles(64, 32), MmaTiles(64, 16)),
-     "H200 bf16 D256: 64x32 200.2 / 178.6 (248 registers, no spills); 64x64 187.9 / 169.8"),
+     "H200 bf16 D256 S4096: 200.2 / 178.6 TFLOP/s, 248 registers, no spills"),
 )
 
 
@@ -186,8 +154,8 @@ class KernelChoice:
     dv_tile: int
     shared_mem: int
     threads: int = THREADS
-    #: the sm90 float families: the instance that reads prepared operands (prepare is True
-    #: there), and the query length from which it is chosen (Sm90Tiles.prepare_from)
+    #: sm90_tf32: the instance that reads prepared operands (prepare is True there), and
+    #: the query length from which it is chosen (Sm90Tiles.prepare_from)
     prepared: KernelChoice | None = None
     prepare_from: int = 0
     prepare: bool = False
@@ -314,12 +282,12 @@ class Sm90Tiles:
     block_m: int   # query rows per block: one warpgroup (128 threads) per 64 rows
     block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
     min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
-    stages: int = 2  # tile buffers: of K and V (16-bit kernel), of K (float kernel)
-    #: float kernel ("tf32" and "highest"): from this many query rows on (0: never; under
-    #: a causal or window band half the rows count, since each key tile then serves about
-    #: half the query blocks) the piped instance with tiles ``piped`` serves the call: K and
-    #: V^T are prepared once per call as tile images (tf32_image_k, tf32_image_vt; split
-    #: into hi and lo parts for "highest"), which the preparation's fixed cost must win back
+    stages: int = 2  # K and V tile buffers of the 16-bit kernel (the float kernels have two)
+    #: sm90_tf32: from this many query rows on (0: never; under a causal or window band half
+    #: the rows count, since each key tile then serves about half the query blocks) the
+    #: piped instance with tiles ``piped`` serves the call: K and V^T are prepared once per
+    #: call as tile images (tf32_image_k, tf32_image_vt), which the preparation's fixed cost
+    #: must win back
     prepare_from: int = 0
     piped: PipedTiles | None = None
 
@@ -331,17 +299,13 @@ class Sm90Tiles:
 @dataclass(frozen=True)
 class PipedTiles:
     """Tiles of attention_fwd_sm90_tf32_piped: block_m query rows (two or three consumer
-    warpgroups of 64) and one producer warpgroup, block_n keys per tile, ``slots`` K/V^T
-    slots; the consumers take turns to issue their products when ``pingpong``, and hold
-    their Q as register fragments when ``qreg``."""
+    warpgroups of 64, taking turns to issue their products) and one producer warpgroup,
+    block_n keys per tile, ``slots`` K/V^T slots; the consumers hold their Q as register
+    fragments when ``qreg``."""
     block_m: int
     block_n: int
     slots: int
-    pingpong: bool = True
     qreg: bool = False
-    #: the split ("highest", attention_fwd_sm90_3xtf32_piped): ``slots`` K slots and this
-    #: many V^T slots, two consumer warpgroups, ping-pong, Q in shared memory
-    v_slots: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -351,71 +315,26 @@ class PipedTiles:
 #: sm90 family: (largest head dim, candidate tiles in order of preference, measured reason).
 SM90_TILES = (
     (64, (Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64), Sm90Tiles(64, 128), Sm90Tiles(128, 128)),
-     "H200 bf16 B4 H16 S4096 D64 (run Y): one warpgroup, 64-key tiles capped at 128 "
-     "registers (4 blocks per SM) 315.4 / 287.5 TFLOP/s (non-causal / causal), uncapped "
-     "(3 per SM) 290.4 / 249.2, 128-key tiles 311.4 / 224.5; run W: two warpgroups "
-     "277.5 / 221.9 (128 keys) and 229.2 / 189.2 (64 keys), three 235.6 / 183.6"),
+     "H200 bf16 D64 S4096: 315.4 / 287.5 TFLOP/s, capped at 4 blocks/SM"),
     (128, (Sm90Tiles(64, 64), Sm90Tiles(128, 128), Sm90Tiles(128, 64)),
-     "H200 bf16 B4 H16 S4096 D128, run W: one warpgroup, 64-key tiles 398.1 / 323.8, two "
-     "warpgroups with 128-key tiles 395.7 / 326.6 (160 KB: one block per SM), 64-key "
-     "362.6 / 300.7; one warpgroup with 128-key tiles 295.5 / 240.5"),
+     "H200 bf16 D128 S4096: 398.1 / 323.8 TFLOP/s, one warpgroup"),
 )
 
 
 #: Query rows from which the sm90_tf32 family takes its piped instance (Sm90Tiles.prepare_from),
-#: measured at B8 H16 S2048 and B4 H16 S4096 (docs/kernels.rst, twelfth session).
+#: measured at B8 H16 S2048 and B4 H16 S4096.
 PIPED_FROM_D64 = 2048
 PIPED_FROM_D128 = 2048
 
-#: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason).
+#: sm90_tf32 family: (largest head dim, candidate tiles in order of preference, measured reason:
+#: TFLOP/s non-causal / causal at B4 H16, of the per-block and the piped instance).
 SM90_TF32_TILES = (
     (64, (Sm90Tiles(128, 128, prepare_from=PIPED_FROM_D64, piped=PipedTiles(192, 64, 4, qreg=True)),
           Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
-     "H200 fp32 tf32 B4 H16 S4096 D64 (session 6, tools/sweep_tiles.py --sm90-tf32): two "
-     "warpgroups with 128-key tiles 141.8 / 126.8 TFLOP/s (non-causal / causal), 64-key "
-     "134.4 / 120.5, three 134.1 / 115.8, one 100.4 / 95.1; four warpgroups 153.8 / 127.0 but "
-     "capped at 128 registers they spill 164 bytes. Session 12, the piped instance (ms and "
-     "TFLOP/s in docs/kernels.rst): 192 x 64 with four slots and Q in registers 198.3 / 142.4 "
-     "(128 x 128 with three slots 181.9 / 130.5), S8192 256.6 / 214.7 against 151.5 / 149.4 "
-     "per block"),
+     "H200 fp32 D64 S4096: 141.8 / 126.8 TFLOP/s per block, 198.3 / 142.4 piped"),
     (128, (Sm90Tiles(128, 64, prepare_from=PIPED_FROM_D128, piped=PipedTiles(192, 32, 4)),
            Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
-     "H200 fp32 tf32 D128: two warpgroups with 64-key tiles (192 KB) 166.2 / 152.1, three "
-     "166.0 / 148.7, three with 32-key tiles 150.4 / 135.2, two 139.9 / 132.2. Session 12, the "
-     "piped instance: 192 x 32 with four slots 230.2 / 167.7 (128 x 64 with two slots "
-     "205.0 / 149.0; 192 x 64 spills at 160 registers), S8192 281.4 / 242.4 against "
-     "188.8 / 184.6 per block"),
-)
-
-
-#: Query rows from which the sm90_3xtf32 family takes its piped split
-#: (attention_fwd_sm90_3xtf32_piped), measured at B32 S512 to B2 S8192 (docs/kernels.rst,
-#: thirteenth session): it wins from S1024 (causal: S2048, level there, and on).
-PIPED_SPLIT_FROM = 1024
-
-#: sm90_3xtf32 family (precision "highest"), as SM90_TF32_TILES. Every operand tile is held
-#: twice (hi and lo parts), so D128 fits 227 KB only with one K stage or one warpgroup.
-SM90_3XTF32_TILES = (
-    (64, (Sm90Tiles(128, 64, prepare_from=PIPED_SPLIT_FROM,
-                    piped=PipedTiles(128, 64, 2, v_slots=2)),
-          Sm90Tiles(128, 64, stages=1), Sm90Tiles(64, 64, stages=1)),
-     "H200 fp32 highest B4 H16 S4096 D64 (session 7, tools/sweep_tiles.py --sm90-3xtf32): two "
-     "warpgroups with 64-key tiles 81.6 / 72.0 TFLOP/s (non-causal / causal), with one K "
-     "stage 80.0 / 72.7, one warpgroup with one K stage (two blocks per SM) 76.5 / 73.2, "
-     "32-key tiles 70.3 / 65.2; 128-key tiles spill (255 registers). Session 11: K split "
-     "and V^T split once per call (planes copied by cp.async) 84.5 / 74.8 against "
-     "85.8 / 82.1: not used. Session 13, the piped split 128 x 64 with two K and two V^T "
-     "slots: 117.9 / 101.5 against 84.4 / 81.3 per block (S8192 121.5 / 108.2; S1024 "
-     "82.7 / 55.2 against 76.6 / 62.7)"),
-    (128, (Sm90Tiles(128, 32, stages=1, prepare_from=PIPED_SPLIT_FROM,
-                     piped=PipedTiles(128, 32, 2, v_slots=1)),
-           Sm90Tiles(64, 32, stages=1), Sm90Tiles(64, 32)),
-     "H200 fp32 highest D128: two warpgroups with 32-key tiles and one K stage (208 KB) "
-     "85.6 / 83.6, one warpgroup 56.5 / 54.4 (two K stages 54.5 / 54.1); 64-key tiles do "
-     "not fit 227 KB with two warpgroups. Session 11: split planes 87.2 / 79.9 against "
-     "88.9 / 87.3: not used. Session 13, the piped split 128 x 32 with two K slots and one "
-     "V^T slot (224 KB): 111.2 / 95.2 against 87.4 / 84.4 per block (S8192 114.6 / 104.9; "
-     "S1024 86.3 / 60.8 against 82.6 / 69.6)"),
+     "H200 fp32 D128 S4096: 166.2 / 152.1 TFLOP/s per block, 230.2 / 167.7 piped"),
 )
 
 
@@ -451,44 +370,31 @@ def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: 
             + tiles.stages * side_bytes(tiles.block_m, tiles.block_n, has_mask, bias_itemsize))
 
 
-def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int,
-                         split: bool = False) -> int:
+def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
-    header): Q, tiles.stages stages of K, the V staging tile and V^T, with Q, K and V^T
-    held twice (hi and lo) when ``split``."""
-    parts = 2 if split else 1
-    return (tiles.block_m * head_dim * parts + tiles.stages * parts * tiles.block_n * head_dim
-            + (1 + parts) * tiles.block_n * head_dim_v) * 4
+    header): Q, two stages of K, the V staging tile and V^T."""
+    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 4
 
 
-def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int,
-                          split: bool = False) -> int:
+def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int) -> int:
     """Dynamic shared memory of attention_fwd_sm90_tf32_piped (see the .cu header): Q,
-    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot; with
-    ``split`` (attention_fwd_sm90_3xtf32_piped) every tile twice (hi, lo), tiles.slots K
-    slots and tiles.v_slots V^T slots."""
-    if split:
-        return ((2 * tiles.block_m * head_dim + 2 * tiles.block_n
-                 * (tiles.slots * head_dim + tiles.v_slots * head_dim_v)) * 4
-                + 16 * (tiles.slots + tiles.v_slots))
+    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot."""
     return ((tiles.block_m * head_dim + tiles.slots * tiles.block_n * (head_dim + head_dim_v))
             * 4 + 16 * tiles.slots)
 
 
 def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
           has_mask: bool, aligned: bool, smem_limit: int, tiles: Sm90Tiles | None = None):
-    """The sm90, sm90_tf32 and sm90_3xtf32 families: attention_fwd_sm90<T, ...> or
-    attention_fwd_sm90_tf32<..., SPLIT, K_STAGES, ...> (float only)."""
+    """The sm90 and sm90_tf32 families: attention_fwd_sm90<T, ...> or
+    attention_fwd_sm90_tf32<...> (float, with its piped instance)."""
     head = max(head_dim, head_dim_v)
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
-    table = {"sm90": SM90_TILES, "sm90_tf32": SM90_TF32_TILES,
-             "sm90_3xtf32": SM90_3XTF32_TILES}[family]
+    table = SM90_TILES if family == "sm90" else SM90_TF32_TILES
     candidates = (tiles,) if tiles is not None else next(
         c for max_d, c, _ in table if head <= max_d)
-    split = family == "sm90_3xtf32"
     bias_size = 0 if bias_dtype is None else np.dtype(bias_dtype).itemsize
     smem_of = ((lambda t: sm90_smem_bytes(t, hd, hdv, has_mask, bias_size)) if family == "sm90"
-               else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv, split)))
+               else (lambda t: sm90_tf32_smem_bytes(t, hd, hdv)))
     tiles, smem = _first_fit(candidates, smem_of, smem_limit, family,
                              f"head dims {head_dim}, {head_dim_v}")
     head_args = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}, "
@@ -500,20 +406,14 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
         expr = f"attention_fwd_sm90<{c_type_name(call_dtype)}, {common}{tiles.stages}, {tail}"
         return KernelChoice(family, "attention_sm90.cu", expr, layout, hd, hdv, smem,
                             threads=tiles.num_warps * 32)
-    # the float kernel: SPLIT, K stages; "tf32" with the piped instance for long calls
-    expr = ("attention_fwd_sm90_tf32<" + common + f"{str(split).lower()}, {tiles.stages}, "
-            + tail)
+    # the float kernel, with the piped instance for long calls
+    expr = "attention_fwd_sm90_tf32<" + common + tail
     prepared, piped = None, tiles.piped
-    if piped is not None and tiles.prepare_from and (not split or piped.block_m == 128):
-        piped_smem = sm90_piped_smem_bytes(piped, hd, hdv, split)
-        head = f"{head_args}{piped.block_n}, "
-        if split:
-            piped_expr = (f"attention_fwd_sm90_3xtf32_piped<{head}{piped.slots}, "
-                          f"{piped.v_slots}, {str(aligned).lower()}>")
-        else:
-            piped_expr = (f"attention_fwd_sm90_tf32_piped<{head}{piped.block_m // 64}, "
-                          f"{piped.slots}, {str(piped.pingpong).lower()}, "
-                          f"{str(piped.qreg).lower()}, {str(aligned).lower()}>")
+    if piped is not None and tiles.prepare_from:
+        piped_smem = sm90_piped_smem_bytes(piped, hd, hdv)
+        piped_expr = (f"attention_fwd_sm90_tf32_piped<{head_args}{piped.block_n}, "
+                      f"{piped.block_m // 64}, {piped.slots}, {str(piped.qreg).lower()}, "
+                      f"{str(aligned).lower()}>")
         if piped_smem <= smem_limit:
             prepared = KernelChoice(family, "attention_sm90_tf32.cu", piped_expr,
                                     Tiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv,
@@ -527,12 +427,9 @@ def _sm90(family: str, call_dtype, head_dim: int, head_dim_v: int, bias_dtype,
 #: spills: D64 64-key tiles, two warpgroups 213 registers; D128 32-key tiles 225.
 SM90_3XF16_TILES = (
     (64, (Sm90Tiles(128, 64), Sm90Tiles(64, 64)),
-     "H200 B4 H16 S4096 (python -m cuattn bench --suite fp32, session 20): two warpgroups, "
-     "64-key tiles, 94.0-95.9 / 88.7 TFLOP/s (non-causal / causal), against the TF32 "
-     "split's piped instance 120.2 / 107.8 in the same session; not swept yet"),
+     "H200 fp32 D64 S4096: 94.0 / 88.7 TFLOP/s, two warpgroups, not swept"),
     (128, (Sm90Tiles(128, 32), Sm90Tiles(64, 32)),
-     "H200 B4 H16 S4096 (same runs): two warpgroups, 32-key tiles, 106.9-107.2 / "
-     "98.4-100.4 against the TF32 split's 111.8 / 98.0; not swept yet"),
+     "H200 fp32 D128 S4096: 106.9 / 98.4 TFLOP/s, two warpgroups, not swept"),
 )
 
 
@@ -572,7 +469,7 @@ def mma_aligned(call: AttentionCall) -> bool:
 def _aligned(x) -> bool:
     """One array's part of :func:`mma_aligned` (the head dims are the caller's check):
     16-byte aligned pointer, unit column stride, other strides multiples of 16 bytes. Plain
-    loops: this runs on every call (PERF.md's host-overhead target)."""
+    loops: this runs on every call."""
     if x.data.ptr % 16:
         return False
     shape, strides = x.shape, x.strides
@@ -589,11 +486,9 @@ def _aligned(x) -> bool:
 #: tools/sweep_tiles.py --f32.
 MMA_F32_TILES = (
     (64, (MmaTiles(128, 64, 2), MmaTiles(64, 64), MmaTiles(64, 32), MmaTiles(32, 16)),
-     "128x64 with 2 row tiles per warp (109 KB, 2 blocks/SM) 115.2 / 105.1, 128x32 with 2 "
-     "105.6 / 99.3, 64x64 87.9 / 83.9, 64x32 90.4 / 86.6"),
+     "115.2 / 105.1, 2 row tiles per warp (109 KB, 2 blocks/SM)"),
     (128, (MmaTiles(64, 32), MmaTiles(128, 16, 2), MmaTiles(64, 16), MmaTiles(32, 16)),
-     "64x32 86.1 / 83.4, 128x16 with 2 row tiles 87.7 / 82.9 (a tie), 64x16 84.2 / 81.2, "
-     "128x32 with 2 73.8 / 67.5"),
+     "86.1 / 83.4, 64x32"),
     (256, (MmaTiles(64, 32), MmaTiles(32, 16), MmaTiles(32, 8)),
      "not swept: 64x32 needs 202 KB; the others fit 164 KB and 99 KB"),
 )
@@ -602,13 +497,9 @@ MMA_F32_TILES = (
 #: TFLOP/s on the H200, non-causal / causal, tools/sweep_tiles.py --f64.
 MMA_F64_TILES = (
     (64, (MmaTiles(64, 16, 1, 3), MmaTiles(64, 32), MmaTiles(32, 32), MmaTiles(32, 16)),
-     "B1 H16 S4096, kernel v4 (table exp2, lazy rescale, session 5): 64x16 capped at 3 "
-     "blocks/SM (168 registers) 35.6 / 34.2, 64x32 (2 blocks/SM) 34.6 / 33.0, 128x32 "
-     "34.3 / 32.2, 64x16 uncapped 34.4 / 32.7; v3 in the same run: 64x32 31.8 / 31.4, "
-     "64x16 capped 30.5 / 30.2"),
+     "B1 H16 S4096: 35.6 / 34.2, capped at 3 blocks/SM (168 registers)"),
     (128, (MmaTiles(128, 16), MmaTiles(64, 16), MmaTiles(32, 16)),
-     "B1 H16 S4096, v4: 128x16 41.1 / 38.2, 64x16 29.2 / 27.8 (v3 in the same run: "
-     "35.5 / 32.6); v1: 64x32 spills 28 bytes on sm_90"),
+     "B1 H16 S4096: 41.1 / 38.2, 128x16"),
 )
 
 
@@ -693,7 +584,7 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
             continue
         if not family.accepts(cc, dtype, max(head_dim, head_dim_v), precision):
             continue
-        if family.name in ("sm90", "sm90_tf32", "sm90_3xtf32"):
+        if family.name in ("sm90", "sm90_tf32"):
             return _sm90(family.name, dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                          aligned, smem_limit, tiles)
         if family.name == "sm90_3xf16":
@@ -715,51 +606,19 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
 #: Backward families, most preferred first (the same rules as FAMILIES).
 BACKWARD_FAMILIES = (
     Family("sm90", "attention_backward_sm90.cu", (9, 0), ("float16", "bfloat16"), 128,
-           "Hopper warpgroup MMA (wgmma, sm_90a), 16-bit inputs: the mma family's two "
-           "kernels with every product on wgmma; head dims to 128 (registers of the 64-key "
-           "dK/dV accumulators)", archs=((9, 0),)),
-    Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
-           "tensor cores through mma.sync m16n8k16, 16-bit inputs; head dims above 128 split "
-           "dK, dV and dQ into 64- or 128-column tiles (registers)"),
-    # first (session 20): 1.5x (D64) and 2.7x (D128) the TF32 splits' speed on an H200, and
-    # with the sm90_3xf16 forward's out and lse (the same products summed the same way) its
-    # gradients stay within 0.56x the accuracy bound for logits up to 256x those of
-    # unit-variance inputs, where the TF32 pair reached 1.4-2.1x (docs/kernels.rst,
-    # twentieth session). Given the TF32 forward's lse instead it exceeds the bound from
-    # about 16-64x (the two forwards' scores differ in the tensor cores' rounding).
-    Family("sm90_3xf16", "attention_backward_sm90_3xf16.cu", (9, 0), ("float32",), 128,
-           "float32 \"highest\" on Hopper's float16 warpgroup MMA (wgmma .f16, sm_90a): the "
-           "3xTF32 split's hi and lo parts (the same values) scaled by powers of two into "
-           "float16, so every product runs at the 16-bit rate and the gradient products read "
-           "the split tiles as stored (no transposed copies); head dims to 128 (128: dK and "
-           "dV by the two warpgroups of a block, registers)",
-           precisions=("highest",), archs=((9, 0),)),
-    # before mma_3xtf32: at head dim 64 on the H200 the two-warpgroup form ran the backward
-    # of B4 H32 S4096 at 50.7 / 47.7 TFLOP/s (non-causal / causal) against mma_3xtf32's
-    # 38.3 / 36.9 (docs/kernels.rst, seventeenth session); wider heads go on to mma_3xtf32
-    Family("sm90_3xtf32", "attention_backward_sm90_tf32.cu", (9, 0), ("float32",), 64,
-           "float32 \"highest\" on Hopper's warpgroup MMA (wgmma .tf32, sm_90a): the "
-           "3xTF32 split of mma_3xtf32 with every product on wgmma, the transposed operands "
-           "(Q^T, dO^T, K^T) split and transposed in shared memory per tile, two warpgroups "
-           "per block sharing them; head dims to 64 (shared memory of the split tiles)",
-           precisions=("highest",), archs=((9, 0),)),
-    Family("mma_3xtf32", "attention_backward_mma_f32.cu", (9, 0), ("float32",), 128,
-           "float32 \"highest\" on tensor cores: mma.sync m16n8k8 TF32 steps, each operand "
-           "split into a TF32 high part and a remainder, three steps per product; head dims to "
-           "128. Hopper only: the split's score errors match those of the sm90_3xtf32 forward "
-           "(the same split) and cancel in P = exp(S - lse); against the exact float32 scores "
-           "of the portable forward, which serves \"highest\" on sm_8x, the gradients of "
-           "two variants of the split measured 1.11x and 1.76x the accuracy bound",
-           precisions=("highest",),
+           "Hopper wgmma (sm_90a), 16-bit inputs; head dims to 128 (registers of dK, dV)",
            archs=((9, 0),)),
+    Family("mma", "attention_backward_mma.cu", (8, 0), ("float16", "bfloat16"), 256,
+           "mma.sync m16n8k16 tensor cores, 16-bit inputs; above 128, column tiles of dK, dV"),
+    Family("sm90_3xf16", "attention_backward_sm90_3xf16.cu", (9, 0), ("float32",), 128,
+           "float32 'highest' on Hopper f16 wgmma, with the sm90_3xf16 forward's scores",
+           precisions=("highest",), archs=((9, 0),)),
     Family("mma_f32", "attention_backward_mma_f32.cu", (8, 0), ("float32",), 128,
-           "float32 \"tf32\" on tensor cores: mma.sync m16n8k8 TF32 steps, every product "
-           "operand rounded to TF32; head dims to 128 (registers of the dK and dV "
-           "accumulators)", precisions=("tf32",)),
+           "float32 'tf32' on mma.sync m16n8k8 TF32 tensor cores; head dims to 128",
+           precisions=("tf32",)),
     Family("portable", "attention_backward_portable.cu", (5, 0),
            ("float16", "bfloat16", "float32", "float64"), 1024,
-           "CUDA cores, every dtype and feature: delta, then dK/dV per key block and dQ per "
-           "query block, deterministic (no atomics)"),
+           "CUDA cores, every dtype and feature, deterministic (no atomics)"),
 )
 
 
@@ -777,15 +636,13 @@ class BwdTiles:
 BACKWARD_TILES = (
     (("float16", "bfloat16", "float32"), 64,
      (BwdTiles(64, 64, 64), BwdTiles(16, 32, 64)),
-     "first version, not swept yet: 64x64 keeps K, V (or Q, dO) resident at 102 KB; "
-     "H200 fp32 B4 H16 S4096 D64: 16.9 / 15.6 TFLOP/s (non-causal / causal)"),
+     "not swept: H200 fp32 D64 S4096 16.9 / 15.6 TFLOP/s"),
     (("float16", "bfloat16", "float32"), 1024,
      (BwdTiles(64, 64, 128), BwdTiles(32, 32, 128), BwdTiles(16, 32, 64)),
-     "first version, not swept yet: 64x64 resident up to D 128 at 166 KB; "
-     "H200 fp32 D128: 19.3 / 17.8 TFLOP/s"),
+     "not swept: H200 fp32 D128 S4096 19.3 / 17.8 TFLOP/s"),
     (("float64",), 1024,
      (BwdTiles(32, 32, 64), BwdTiles(16, 16, 32)),
-     "first version, not swept yet: 32x32 resident up to D 64 at 83 KB"),
+     "not swept: 32x32 keeps D64 resident in 83 KB"),
 )
 
 
@@ -805,55 +662,34 @@ class MmaBwdTiles:
 #: Head dims are padded to a multiple of 64 inside the kernels.
 MMA_BACKWARD_TILES = (
     (64, (9, 0), (MmaBwdTiles(4, 32, 4, 32, 3, 3),),
-     "H200 bf16 B4 H32 S4096 D64, tools/sweep_backward.py: 102.1 / 94.2 TFLOP/s (non-causal "
-     "/ causal) with 3 blocks per SM (168 registers each kernel); uncapped 80.7 / 75.9; "
-     "64-query dK/dV tiles 91.5 / 84.8"),
+     "H200 bf16 D64 B4 H32 S4096: 102.1 / 94.2 TFLOP/s, capped at 3 blocks/SM"),
     (64, (8, 0), (MmaBwdTiles(4, 32, 4, 32, 2, 3),),
-     "sm_8x: the 3-block dK/dV cap spills 4 bytes there (NVRTC); 2 blocks per SM, not timed"),
+     "sm_8x: dK/dV at 2 blocks/SM (3 spill 4 bytes there), not timed"),
     (128, (9, 0), (MmaBwdTiles(4, 64, 4, 32, 2, 3),),
-     "H200 bf16 B4 H16 S4096 D128: 128.3 / 114.9 (dQ capped at 168 registers, 3 blocks per "
-     "SM); 64-key dQ tiles 121.9 / 112.2; 32-query dK/dV tiles 120.6 / 108.9"),
+     "H200 bf16 D128 S4096: 128.3 / 114.9 TFLOP/s, dQ capped at 3 blocks/SM"),
     (128, (8, 0), (MmaBwdTiles(4, 32, 4, 32, 2, 3),),
-     "sm_8x: 64-query dK/dV tiles spill 84 bytes there; 32-query tiles (120.6 / 108.9 on H200)"),
+     "sm_8x: 32-query dK/dV tiles (64 spill there), 120.6 / 108.9 TFLOP/s on H200"),
     (256, (8, 0),
      (MmaBwdTiles(8, 32, 4, 16), MmaBwdTiles(4, 32, 4, 32), MmaBwdTiles(2, 16, 2, 16)),
-     "H200 bf16 B4 H8 S4096 D256, 128-column tiles: 8-warp dK/dV + 16-key dQ 73.8 / 67.8; "
-     "4-warp dK/dV 55.0 / 52.7 (the fallbacks fit A100's 164 KB and the 99 KB parts)"),
+     "H200 bf16 D256 S4096: 73.8 / 67.8 TFLOP/s, 8-warp dK/dV, 16-key dQ"),
 )
 
 
 @dataclass(frozen=True)
 class MmaF32BwdTiles(MmaBwdTiles):
     """MmaBwdTiles of the float32 backward (attention_backward_mma_f32.cu), with:"""
-    separate: bool = False  # dK and dV by separate blocks (fewer registers; S^T computed twice)
-    presplit: bool = False  # streamed tiles rounded / split once in shared memory
+    preround: bool = False  # streamed tiles rounded to TF32 once in shared memory
 
 
 F = MmaF32BwdTiles
-#: mma_3xtf32 ("highest") and mma_f32 ("tf32") backward: (precision, largest head dim,
-#: candidate tiles, reason). A call takes the first row of its precision whose head dim it
-#: meets, then the first candidate that fits.
-#: Head dims are padded to a multiple of 64 inside the kernels.
+#: mma_f32 backward ("tf32"): (largest head dim, candidate tiles, reason). A call takes the
+#: first row whose head dim it meets, then the first candidate that fits. Head dims are
+#: padded to a multiple of 64 inside the kernels.
 MMA_F32_BACKWARD_TILES = (
-    ("highest", 64, (F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 2, 3)),
-     "H200 fp32 B4 H32 S4096 D64, tools/sweep_backward.py --f32 highest (session 10): "
-     "32-query dK/dV and 32-key dQ tiles capped at 2 and 3 blocks per SM, Q/dO (K/V) split "
-     "once in shared memory 37.0 / 35.4 TFLOP/s (non-causal / causal), split per use "
-     "35.9 / 34.1; 16-key dQ tiles 35.7 / 34.5; 16-query dK/dV 31.4-32.2; uncapped and "
-     "separate dK, dV blocks were slower in the first sweep (36.8 / 35.1, 32.5 / 30.3)"),
-    ("highest", 128, (F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, separate=True)),
-     "H200 fp32 B4 H16 S4096 D128 (session 10 sweeps): one block for dK and dV, 16-query and "
-     "16-key tiles, 2 blocks per SM: 29.3 / 29.0 (254 registers, no spills once the per-tile "
-     "source pointers wait in shared memory; 64 bytes of spills before); dK and dV in "
-     "separate blocks (the dV blocks recompute S^T) 25.5 / 23.9; 32-key dQ 26.9 / 26.3, "
-     "8-key dQ 24.5 / 24.3; pre-split tiles fit one block only at 8-query tiles 21.4 / 21.3"),
-    ("tf32", 64, (F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 16, 4, 16, 2, 3)),
-     "H200 fp32 D64, tools/sweep_backward.py --f32 tf32: Q/dO (K/V) rounded once in shared "
-     "memory 71.5 / 66.9, rounded per use 65.2 / 61.2; 64-key dQ 69.8 / 65.0; 16-query "
-     "dK/dV 62.4 / 58.3"),
-    ("tf32", 128, (F(4, 16, 4, 16, 2, 2, presplit=True),),
-     "H200 fp32 D128: 16-query dK/dV and 16-key dQ tiles at 2 blocks per SM, rounded once "
-     "56.6 / 54.0, per use 50.4 / 49.3; 32-key dQ 52.2 / 50.7; 32-query tiles 48.4 / 45.7"),
+    (64, (F(4, 32, 4, 32, 2, 3, preround=True), F(4, 16, 4, 16, 2, 3)),
+     "H200 fp32 D64 B4 H32 S4096: 71.5 / 66.9 TFLOP/s, tiles rounded once"),
+    (128, (F(4, 16, 4, 16, 2, 2, preround=True),),
+     "H200 fp32 D128 S4096: 56.6 / 54.0 TFLOP/s, tiles rounded once, 2 blocks/SM"),
 )
 del F
 
@@ -874,12 +710,8 @@ class BackwardChoice:
     threads_dkdv: int = THREADS
     threads_dq: int = THREADS
     threads_delta: int = THREADS
-    # dkdv is one kernel that also writes dQ (dq is None): dQ of each query tile of dq_rows
-    # rows is summed over the key blocks in key order through a float scratch
-    fused: bool = False
-    # blocks per dK/dV column tile: 2 when dK and dV run in separate blocks (mma_f32
-    # "separate", sm90_3xf16 at head dim 128; blocks own every column: grid column tile 0
-    # dV, 1 dK)
+    # blocks per dK/dV column tile: 2 when dK and dV run in separate blocks (sm90_3xf16's
+    # dkdv_roles=2 form; blocks own every column: grid column tile 0 dV, 1 dK)
     dkdv_roles: int = 1
     # a kernel run before delta that writes the largest magnitudes of each batch entry's q,
     # k, v, dout and out into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
@@ -903,14 +735,11 @@ def mma_backward_smem_bytes(tiles: MmaBwdTiles, hd: int, hdv: int) -> tuple[int,
     return dkdv, dq
 
 
-def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int, hdv: int,
-                                split: bool = True) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32
-    (``split``: precision "highest", whose pre-split tiles hold a lo plane too)."""
-    parts = 2 if split and tiles.presplit else 1
-    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * parts * tiles.block_m * (hd + hdv + 8)
+def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32."""
+    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv + 8)
             + 2 * 2 * tiles.block_m) * 4
-    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * parts * tiles.block_n * (hd + hdv + 8)) * 4
+    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * tiles.block_n * (hd + hdv + 8)) * 4
     return dkdv, dq
 
 
@@ -971,48 +800,39 @@ def _mma_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: b
 
 
 def _mma_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
-                      aligned: bool, precision: str, smem_limit: int,
-                      tiles: MmaF32BwdTiles | None = None):
+                      aligned: bool, smem_limit: int, tiles: MmaF32BwdTiles | None = None):
     head = max(head_dim, head_dim_v)
     hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
     candidates = (tiles,) if tiles is not None else next(
-        c for prec, max_d, c, _ in MMA_F32_BACKWARD_TILES if prec == precision and head <= max_d)
-    split = precision == "highest"
-    tiles, smem = _first_fit(candidates,
-                             lambda t: mma_f32_backward_smem_bytes(t, hd, hdv, split),
+        c for max_d, c, _ in MMA_F32_BACKWARD_TILES if head <= max_d)
+    tiles, smem = _first_fit(candidates, lambda t: mma_f32_backward_smem_bytes(t, hd, hdv),
                              smem_limit, "mma_f32 backward",
                              f"head dims {head_dim}, {head_dim_v}")
     flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
-    sp, pre, al = (str(x).lower() for x in (split, tiles.presplit, aligned))
+    pre, al = (str(x).lower() for x in (tiles.preround, aligned))
     return BackwardChoice(
-        "mma_3xtf32" if split else "mma_f32", "attention_backward_mma_f32.cu",
-        "attention_bwd_delta<float>",
-        f"attention_bwd_dkdv_mma_f32<{flags}, {tiles.block_m}, {tiles.dkdv_warps}, {sp}, "
-        f"{str(tiles.separate).lower()}, {pre}, {al}, {tiles.dkdv_min_blocks}>",
-        f"attention_bwd_dq_mma_f32<{flags}, {tiles.block_n}, {tiles.dq_warps}, {sp}, {pre}, "
-        f"{al}, {tiles.dq_min_blocks}>",
+        "mma_f32", "attention_backward_mma_f32.cu", "attention_bwd_delta<float>",
+        f"attention_bwd_dkdv_mma_f32<{flags}, {tiles.block_m}, {tiles.dkdv_warps}, {pre}, "
+        f"{al}, {tiles.dkdv_min_blocks}>",
+        f"attention_bwd_dq_mma_f32<{flags}, {tiles.block_n}, {tiles.dq_warps}, {pre}, {al}, "
+        f"{tiles.dq_min_blocks}>",
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, max(hd, hdv), hd, *smem,
-        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps,
-        dkdv_roles=2 if tiles.separate else 1)
+        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
 
 
 @dataclass(frozen=True)
 class Sm90BwdTiles:
-    block_m: int   # query tile of the dK/dV (or fused) kernel
-    block_n: int   # key tile of the dQ kernel (64 query rows per block); 128 keys per
-    #                block for the fused kernel (two warpgroups of 64)
+    block_m: int   # query tile of the dK/dV kernel (64 keys per block)
+    block_n: int   # key tile of the dQ kernel (64 query rows per block)
     dkdv_min_blocks: int = 1
     dq_min_blocks: int = 1
-    fused: bool = False  # one kernel, dQ added across key blocks in key order: slower
-    #                      than the two kernels so far, reached only through explicit tiles
     #: the overlapped forms (three stages): the next tile's S and dP are issued before this
     #: tile's gradient products, so the element-wise part runs under them
     dkdv_overlap: bool = False
     dq_overlap: bool = False
     #: the dK/dV kernel loads each query tile's lse and delta one request earlier into
     #: registers (the plain loads make the storing warps wait for global memory before the
-    #: tile's S and dP products are issued). Written without device time (seventeenth
-    #: session): not in the table until measured
+    #: tile's S and dP products are issued)
     dkdv_stats_ahead: bool = False
 
 
@@ -1020,38 +840,16 @@ class Sm90BwdTiles:
 SM90_BACKWARD_TILES = (
     (64, (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
                        dkdv_stats_ahead=True),),
-     "H200 bf16 B4 H32 S4096 D64 (session 9, tools/sweep_backward.py --sm90, after "
-     "p_and_ds_tile): 64-query dK/dV tiles capped at 2 blocks per SM, dQ at 3, 192.5 / 166.4 "
-     "TFLOP/s (non-causal / causal); 32-query both capped at 3 (the session-6 choice) "
-     "184.1 / 161.9, uncapped 169.9 / 146.4; 128-key dQ tiles 170.1 / 149.4; the fused "
-     "kernel (fused=True, 64-query tiles) 158.3 / 145.3. Session 14, both kernels "
-     "overlapped (three stages): 197.8-200.0 / 180.1 against 190.1-191.0 / 175.3-175.4 "
-     "(dK/dV only 196.3-196.6 / 178.2-178.3, dQ only 193.3-193.8 / 176.5-176.9). Session "
-     "15, the interior pass of p_and_ds_tile (not re-swept): 262.8 / 237.4 (bench). "
-     "Session 18, lse and delta loaded one request ahead (dkdv_stats_ahead): 291.4 / 248.6 "
-     "against 260.2 / 223.8; with a bool mask (B, 1, S, S) and a bias (1, 1, S, S) 40.5 / "
-     "41.0 against 41.6 / 42.0, so _sm90_backward drops it when either is given"),
+     "H200 bf16 D64 B4 H32 S4096: 291.4 / 248.6 TFLOP/s, overlapped, stats ahead"),
     (128, (Sm90BwdTiles(64, 64, dkdv_stats_ahead=True),),
-     "H200 bf16 B4 H16 S4096 D128 (session 9, same run): 64-query dK/dV tiles 260.0 / 227.1 "
-     "(254 registers, no spills since p_and_ds_tile; 4 bytes of spills before), 32-query "
-     "223.9 / 199.1, 128-key dQ tiles 182.5 / 163.5 (64-query 205.9 / 179.9); the fused "
-     "kernel (32-query tiles) 174.0 / 159.2. Session 14, the overlapped forms lose here: "
-     "64-query dK/dV overlapped spills (255 registers), dQ overlapped (three stages: one "
-     "block per SM) 222.1-222.4 / 204.3-204.5 against 268.1-269.3 / 245.7-246.3, 32-query "
-     "dK/dV overlapped 241.2-241.4 / 221.2-221.5. Session 15, the interior pass of "
-     "p_and_ds_tile (not re-swept): 323.1 / 278.8 (bench). Session 18, dkdv_stats_ahead: "
-     "350.4 / 294.0 against 329.7 / 282.1; with a mask and a bias 70.3 / 70.5 against "
-     "72.4 / 72.3 (dropped there)"),
+     "H200 bf16 D128 S4096: 350.4 / 294.0 TFLOP/s, stats ahead (overlapped spills here)"),
 )
 
 
 def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: bool = False,
                              bias_itemsize: int = 0) -> tuple[int, int]:
     """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90 (with
-    their staged mask and bias tiles), or of attention_bwd_sm90_fused (and 0)."""
-    if tiles.fused:
-        bm = tiles.block_m
-        return (128 * (hd + hdv) + 3 * bm * (hd + hdv) + bm * 128) * 2 + 3 * 2 * bm * 4, 0
+    their staged mask and bias tiles)."""
     dkdv_stages = 3 if tiles.dkdv_overlap else 2
     dq_stages = 3 if tiles.dq_overlap else 2
     dkdv = ((64 * (hd + hdv) + dkdv_stages * tiles.block_m * (hd + hdv)) * 2
@@ -1071,8 +869,8 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
         c for max_d, c, _ in SM90_BACKWARD_TILES if head <= max_d)
     if tiles is None and (bias_dtype is not None or has_mask):
         # the table's lse and delta a request ahead only where measured faster: with a mask
-        # and a bias both its D64 and D128 forms ran 2-3 % slower (session 18), their
-        # instances spilling more (D128: 168 / 228 bytes against 68 / 108)
+        # and a bias both its D64 and D128 forms run 2-3 % slower, their instances spilling
+        # more (D128: 168 / 228 bytes against 68 / 108)
         candidates = tuple(replace(c, dkdv_stats_ahead=False) for c in candidates)
     bias_size = 0 if bias_dtype is None else np.dtype(bias_dtype).itemsize
     tiles, smem = _first_fit(candidates,
@@ -1082,13 +880,6 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
     g_kv, g_q = (c_type_name(g) for g in grad_dtypes)
     flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
     al = str(aligned).lower()
-    if tiles.fused:
-        return BackwardChoice(
-            "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
-            f"attention_bwd_sm90_fused<{t}, {g_kv}, {g_q}, {flags}, {tiles.block_m}, {al}, "
-            f"{tiles.dkdv_min_blocks}>", None,
-            128, tiles.block_m, max(hd, hdv), hd, *smem, threads_dkdv=256, threads_dq=0,
-            fused=True)
     return BackwardChoice(
         "sm90", "attention_backward_sm90.cu", f"attention_bwd_delta<{t}>",
         f"attention_bwd_dkdv_sm90<{t}, {g_kv}, {flags}, {tiles.block_m}, {al}, "
@@ -1097,70 +888,6 @@ def _sm90_backward(dtype, head_dim: int, head_dim_v: int, bias_dtype, has_mask: 
         f"attention_bwd_dq_sm90<{t}, {g_q}, {flags}, {tiles.block_n}, {al}, "
         f"{_resident_cap(tiles.dq_min_blocks, smem[1])}, {str(tiles.dq_overlap).lower()}>",
         64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
-
-
-@dataclass(frozen=True)
-class Sm90F32BwdTiles:
-    block_m: int   # query tile of the dK/dV kernel (64 keys per block)
-    block_n: int   # key tile of the dQ kernel (64 query rows per block)
-    dkdv_min_blocks: int = 1
-    dq_min_blocks: int = 1
-    #: the overlapped forms: the next tile split and transposed while the tensor cores run
-    #: this tile's gradient products (two buffers of the transposed tiles)
-    dkdv_overlap: bool = False
-    dq_overlap: bool = False
-    #: warpgroups per block (1 or 2): 64 keys (dK/dV) or query rows (dQ) each, sharing the
-    #: streamed tiles; 2 only without dkdv_overlap, and with block_n 32
-    dkdv_warpgroups: int = 1
-    dq_warpgroups: int = 1
-
-
-#: sm90_3xtf32 backward: (largest head dim, candidate tiles, reason). ptxas (sm_90a), fast
-#: instances: two-warpgroup dK/dV 250 registers, two-warpgroup 32-key dQ 198 (overlapped
-#: 198), no spills; shared memory 224.5 KB and 208 (224) KB: one block of 256 threads per SM.
-#: The one-warpgroup forms (64 keys or rows per block; 160.5-224 KB) stay as fallbacks.
-SM90_F32_BACKWARD_TILES = (
-    (64, (Sm90F32BwdTiles(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
-          Sm90F32BwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2),
-          Sm90F32BwdTiles(32, 64, dkdv_overlap=True)),
-     "H200, B4 H32 S4096 (tools/sweep_backward.py --sm90-f32), non-causal / causal: two "
-     "warpgroups per block, dQ overlapped 26.4 / 13.7 ms, plain 26.7 / 14.0 (lse and delta "
-     "a tile ahead); one warpgroup at best 35.2 / 18.8 (overlapped dK/dV, 64-key dQ); "
-     "mma_3xtf32 35.8 / 18.5. Session 18 (tools/kernel_times.py), the split tiles stacked "
-     "(score products of twice the width): 24.6 / 12.8 ms against 26.5 / 13.7"),
-)
-
-
-def sm90_f32_backward_smem_bytes(tiles: Sm90F32BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_sm90_3xtf32 and
-    attention_bwd_dq_sm90_3xtf32 (the .cu header)."""
-    bm, bn = tiles.block_m, tiles.block_n
-    t_bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
-    wk, wq = tiles.dkdv_warpgroups, tiles.dq_warpgroups
-    dkdv = (2 * 64 * wk * (hd + hdv) + (4 + 2 * t_bufs[0]) * bm * (hd + hdv) + 2 * 2 * bm) * 4
-    dq = (2 * 64 * wq * (hd + hdv) + 4 * bn * (hd + hdv) + 2 * t_bufs[1] * bn * hd) * 4
-    return dkdv, dq
-
-
-def _sm90_f32_backward(head_dim: int, head_dim_v: int, bias_dtype, has_mask: bool,
-                       aligned: bool, smem_limit: int, tiles: Sm90F32BwdTiles | None = None):
-    head = max(head_dim, head_dim_v)
-    hd, hdv = _ceil64(head_dim), _ceil64(head_dim_v)
-    candidates = (tiles,) if tiles is not None else next(
-        c for max_d, c, _ in SM90_F32_BACKWARD_TILES if head <= max_d)
-    tiles, smem = _first_fit(candidates, lambda t: sm90_f32_backward_smem_bytes(t, hd, hdv),
-                             smem_limit, "sm90_3xtf32 backward",
-                             f"head dims {head_dim}, {head_dim_v}")
-    flags = f"{_bias_type(bias_dtype)}, {str(has_mask).lower()}, {hd}, {hdv}"
-    al = str(aligned).lower()
-    return BackwardChoice(
-        "sm90_3xtf32", "attention_backward_sm90_tf32.cu", "attention_bwd_delta<float>",
-        f"attention_bwd_dkdv_sm90_3xtf32<{flags}, {tiles.block_m}, {al}, "
-        f"{tiles.dkdv_min_blocks}, {str(tiles.dkdv_overlap).lower()}, {tiles.dkdv_warpgroups}>",
-        f"attention_bwd_dq_sm90_3xtf32<{flags}, {tiles.block_n}, {al}, {tiles.dq_min_blocks}, "
-        f"{str(tiles.dq_overlap).lower()}, {tiles.dq_warpgroups}>",
-        64 * tiles.dkdv_warpgroups, 64 * tiles.dq_warpgroups, max(hd, hdv), hd, *smem,
-        threads_dkdv=128 * tiles.dkdv_warpgroups, threads_dq=128 * tiles.dq_warpgroups)
 
 
 @dataclass(frozen=True)
@@ -1184,7 +911,6 @@ class Sm90F16SplitBwdTiles:
     dkdv_roles: int = 1
     #: two warpgroups: the second issues its score products once the first has issued its
     #: own, so the first's element-wise pass runs under the second's products
-    #: (docs/kernels.rst, twenty-first session)
     dkdv_stagger: bool = False
     dq_stagger: bool = False
 
@@ -1192,27 +918,17 @@ class Sm90F16SplitBwdTiles:
 #: sm90_3xf16 backward: (largest head dim, candidate tiles, reason). ptxas (sm_90a, the
 #: staggered forms), no spills: D64 dK/dV (32-query tiles, two warpgroups, overlapped) 241
 #: registers, dQ (64-key tiles, two warpgroups, overlapped) 251; D128 dK/dV (warpgroup
-#: roles, overlapped) 237, dQ (32-key tiles) 228.
-#: One-warpgroup forms follow as fallbacks for smaller shared memory.
+#: roles, overlapped) 237, dQ (32-key tiles) 228. Reasons: backward ms non-causal / causal
+#: (tools/kernel_times.py). One-warpgroup forms follow as fallbacks for smaller shared memory.
 SM90_3XF16_BACKWARD_TILES = (
     (64, (Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
                                dq_warpgroups=2, dkdv_stagger=True, dq_stagger=True),
           Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True)),
-     "H200 B4 H32 S4096 (tools/kernel_times.py, session 20), backward ms non-causal / "
-     "causal: both overlapped, two warpgroups, 64-key dQ tiles 16.45-16.81 / 9.03-9.25; "
-     "32-key dQ tiles, dK/dV not overlapped 18.34; dK and dV by the warpgroups of a 64-key "
-     "block 20.58; sm90_3xtf32 24.61. Session 21: the second warpgroup's score products "
-     "issued after the first's (stagger) -6.8 % / -7.6 %"),
+     "H200 D64 B4 H32 S4096: 16.5 / 9.0 ms without the stagger, which saves 7 %"),
     (128, (Sm90F16SplitBwdTiles(32, 32, dkdv_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2,
                                 dkdv_roles=3, dkdv_stagger=True, dq_stagger=True),
            Sm90F16SplitBwdTiles(32, 32, dkdv_roles=2)),
-     "H200 B4 H16 S4096 (tools/kernel_times.py, session 20), backward ms non-causal / "
-     "causal: dK and dV by the two warpgroups of one 64-key block, overlapped, 17.77 / "
-     "9.80; the same not overlapped 18.00 / 9.83; dK and dV in separate blocks of two "
-     "warpgroups (128 keys each) 18.64 / 10.19; mma_3xtf32 47.3 (non-causal). Session 21: "
-     "warpgroup 0 handing P^T to 1 (dK/dV kernel alone) 10.64 / 5.72 ms against 10.80 / "
-     "5.96 with S^T formed by both; one-warpgroup dQ 9.77 (overlapped) and 10.20 ms "
-     "against 6.52 with two; the stagger -3.9 % / -4.3 % (whole backward)"),
+     "H200 D128 B4 H16 S4096: 17.8 / 9.8 ms without the stagger, which saves 4 %"),
 )
 
 
@@ -1287,12 +1003,9 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
         if family.name == "mma":
             return _mma_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask,
                                  grad_dtypes, aligned, cc, smem_limit, tiles)
-        if family.name in ("mma_f32", "mma_3xtf32"):
+        if family.name == "mma_f32":
             return _mma_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
-                                     precision, smem_limit, tiles)
-        if family.name == "sm90_3xtf32":
-            return _sm90_f32_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
-                                      smem_limit, tiles)
+                                     smem_limit, tiles)
         if family.name == "sm90_3xf16":
             return _sm90_3xf16_backward(head_dim, head_dim_v, bias_dtype, has_mask, aligned,
                                         smem_limit, tiles)
@@ -1307,42 +1020,64 @@ GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_86": ((8, 6), 101376),
                 "sm_90": ((9, 0), 232448)}
 
 
+#: Head dims the gate enumerates: every D (= Dv) from 1 to 256, each dispatch's padding and
+#: tile rows crossed, and the portable kernel's wider classes. D != Dv pairs take the
+#: boundaries of every padding class (multiples of 16, 32 and 64 and one past them).
+GATE_HEAD_DIMS = tuple(range(1, 257)) + (257, 384, 512, 513, 1024)
+GATE_PAIR_DIMS = (1, 16, 17, 32, 33, 48, 64, 65, 96, 97, 128, 129, 160, 192, 193, 224, 256)
+
+
+def _gate_calls(family, precision_of):
+    """(dtype, head_dim, head_dim_v, bias dtype, mask, aligned, precision, fast) of the gate's
+    calls for ``family``: every feature combination at every D = Dv of GATE_HEAD_DIMS, and
+    every D != Dv pair of GATE_PAIR_DIMS without mask or bias (the head dims and the
+    features are independent template arguments)."""
+    aligned_both = (family.name.startswith(("mma", "sm90"))
+                    or any(n in ("float32", "float64") for n in family.dtypes))
+    for name in family.dtypes:
+        dtype = np.dtype(_np_name(name))
+        precisions = precision_of(name)
+        heads = [(d, d) for d in GATE_HEAD_DIMS if d <= family.max_head_dim]
+        pairs = [(d, dv) for d, dv in itertools.product(GATE_PAIR_DIMS, repeat=2)
+                 if d != dv and max(d, dv) <= family.max_head_dim]
+        for (d, dv), bias, has_mask, aligned, precision in itertools.product(
+                heads, (None, name, "float32"), (False, True),
+                (True, False) if aligned_both else (True,), precisions):
+            bias_dtype = bias and np.dtype(_np_name(bias))
+            yield dtype, d, dv, bias_dtype, has_mask, aligned, precision, \
+                bias is None and not has_mask and aligned
+        for (d, dv), aligned, precision in itertools.product(
+                pairs, (True, False) if aligned_both else (True,), precisions):
+            yield dtype, d, dv, None, False, aligned, precision, aligned
+
+
+def _float32_precisions(name: str):
+    return ("highest", "tf32") if name == "float32" else (None,)
+
+
 def forward_instances(arch: str):
     """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
-    forced in turn as the tests do, for the NVRTC gate: dtype × head-dim class × bias dtype
-    × mask × alignment. Instances without mask and bias (and aligned, for mma) are the fast
-    path: they must not spill."""
+    forced in turn as the tests do, for the NVRTC gate (see :func:`_gate_calls`). Instances
+    without mask and bias (and aligned) are the fast path: they must not spill."""
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in FAMILIES:
-        for name in family.dtypes:
-            dtype = np.dtype(_np_name(name))
-            for head in (32, 64, 128, 256, 1024):
-                if head > family.max_head_dim:
-                    continue
-                for bias in (None, name, "float32"):
-                    bias_dtype = bias and np.dtype(_np_name(bias))
-                    for has_mask in (False, True):
-                        for aligned, precision in itertools.product(
-                                (True, False) if family.name.startswith(("mma", "sm90"))
-                                or name in ("float32", "float64") else (True,),
-                                ("highest", "tf32") if name == "float32" else (None,)):
-                            choice = _choose(dtype, head, head, bias_dtype, has_mask, aligned,
-                                             cc, limit, family.name, None, precision)
-                            if choice is None:
-                                continue
-                            fast = bias is None and not has_mask and aligned
-                            variants = [choice]
-                            if choice.prepared is not None:  # and its preparation kernels
-                                variants.append(choice.prepared)
-                                split = str(family.name == "sm90_3xtf32").lower()
-                                for kernel in ("tf32_image_k", "tf32_image_vt"):
-                                    seen[(choice.filename, f"{kernel}<{split}>")] = True
-                            if choice.magnitudes is not None:
-                                seen[(choice.filename, choice.magnitudes)] = True
-                            for c in variants:
-                                key = (c.filename, c.name_expression)
-                                seen[key] = seen.get(key, False) or fast
+        for dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast in _gate_calls(
+                family, _float32_precisions):
+            choice = _choose(dtype, d, dv, bias_dtype, has_mask, aligned, cc, limit,
+                             family.name, None, precision)
+            if choice is None:
+                continue
+            variants = [choice]
+            if choice.prepared is not None:  # and its preparation kernels
+                variants.append(choice.prepared)
+                for kernel in ("tf32_image_k", "tf32_image_vt"):
+                    seen[(choice.filename, kernel)] = True
+            if choice.magnitudes is not None:
+                seen[(choice.filename, choice.magnitudes)] = True
+            for c in variants:
+                key = (c.filename, c.name_expression)
+                seen[key] = seen.get(key, False) or fast
     return [(f, e, fast) for (f, e), fast in seen.items()]
 
 
@@ -1353,42 +1088,25 @@ def _np_name(name: str):
     return name
 
 
-#: backward families with aligned and unaligned instances
-_ALIGNMENT_FAMILIES = ("mma", "sm90", "mma_f32", "mma_3xtf32", "sm90_3xtf32", "sm90_3xf16")
-
-
 def backward_instances(arch: str):
     """Every (filename, name expression, fast) of the backward that dispatch picks on
-    ``arch``, each family forced in turn, for the NVRTC gate: dtype x head-dim class x bias x
-    mask x gradient storage (the input dtype, or the accumulator type for broadcast inputs)
-    x alignment. Fast: no bias, no mask, gradients in place, aligned."""
+    ``arch``, each family forced in turn, for the NVRTC gate (see :func:`_gate_calls`), with
+    either gradient storage (the input dtype, or the accumulator type for broadcast
+    inputs). Fast: no bias, no mask, gradients in place, aligned."""
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in BACKWARD_FAMILIES:
-        for name in family.dtypes:
-            dtype = np.dtype(_np_name(name))
-            acc = np.dtype("float64" if name == "float64" else "float32")
-            for head in (32, 64, 128, 256, 1024):
-                if head > family.max_head_dim:
+        for dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast in _gate_calls(
+                family, _float32_precisions):
+            acc = np.dtype("float64" if dtype == np.float64 else "float32")
+            for grads in ((dtype, dtype), (acc, acc)):
+                choice = _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads, aligned,
+                                          cc, limit, family.name, None, precision)
+                if choice is None:  # the family does not serve arch
                     continue
-                for bias in (None, name, "float32"):
-                    bias_dtype = bias and np.dtype(_np_name(bias))
-                    for has_mask in (False, True):
-                        for grads, aligned, precision in itertools.product(
-                                ((dtype, dtype), (acc, acc)),
-                                (True, False) if family.name in _ALIGNMENT_FAMILIES else (True,),
-                                ("highest", "tf32") if name == "float32" else (None,)):
-                            choice = _choose_backward(dtype, head, head, bias_dtype,
-                                                      has_mask, grads, aligned, cc, limit,
-                                                      family.name, None, precision)
-                            if choice is None:  # the family does not serve arch
-                                continue
-                            fast = (bias is None and not has_mask and grads[0] == dtype
-                                    and aligned)
-                            for expr in (choice.magnitudes, choice.delta, choice.dkdv,
-                                         choice.dq):
-                                if expr is None:  # no magnitudes; the fused kernel's dQ
-                                    continue
-                                key = (choice.filename, expr)
-                                seen[key] = seen.get(key, False) or fast
+                for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
+                    if expr is None:  # no magnitudes kernel
+                        continue
+                    key = (choice.filename, expr)
+                    seen[key] = seen.get(key, False) or (fast and grads[0] == dtype)
     return [(f, e, fast) for (f, e), fast in seen.items()]

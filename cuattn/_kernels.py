@@ -101,7 +101,6 @@ def read_source(filename: str, directory: Path | None = None) -> str:
 #: sm_90 devices only.
 ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a", "attention_sm90_tf32.cu": "sm_90a",
                  "attention_backward_sm90.cu": "sm_90a",
-                 "attention_backward_sm90_tf32.cu": "sm_90a",
                  "attention_backward_sm90_3xf16.cu": "sm_90a",
                  "attention_sm90_3xf16.cu": "sm_90a"}
 
@@ -214,10 +213,10 @@ class KeptLaunch:
     """One launch of a call signature: kernel, grid, block, shared memory and the kernel's
     parameter block, kept here with its leading pointers written per call
     (``pointer_struct``) and launched through ``cuLaunchKernel`` (about 5 us less than
-    CuPy's launch, which converts and packs every argument each call; PERF.md's host
-    overhead). The kernel is the one loaded for the current device; the caller keeps one
-    per device. Thread-safe: the pointers are written and launched under a lock, and the
-    driver copies the block before the launch returns."""
+    CuPy's launch, which converts and packs every argument each call). The kernel is the
+    one loaded for the current device; the caller keeps one per device. Thread-safe: the
+    pointers are written and launched under a lock, and the driver copies the block before
+    the launch returns."""
 
     def __init__(self, kernel, grid: tuple[int, int], threads: int, shared_mem: int,
                  block: bytes, pointer_struct: struct.Struct):
@@ -258,26 +257,23 @@ ATTN_BWD_PARAMS_DTYPE = np.dtype(
     [("f", ATTN_PARAMS_DTYPE)]
     + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
                                "num_col_tiles")]
-    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")]
-    + [(f, np.int64) for f in ("dq_acc", "dq_turn", "batch_begin", "num_q_tiles")],
+    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")],
     align=True)
-_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35qq7q25q4q")
+_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35qq7q25q")
 assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
 
 
 def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
                          bwd_ints: list[int], bwd_strides: list[int],
-                         fused: tuple[int, int, int, int] = (0, 0, 0, 0),
                          magnitudes: int = 0) -> np.void:
     """The AttnBwdParams block: the forward's 17 integer fields (seven pointers, then the ten of
     :func:`attn_params_tail`), then
-    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles),
-    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv) and ``fused`` (the fused
-    kernel's dq_acc and dq_turn pointers, batch_begin, num_q_tiles); ``magnitudes`` is the
+    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles) and
+    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv); ``magnitudes`` is the
     forward block's last field (the sm90_3xf16 kernels' largest magnitudes per batch entry,
     a device address)."""
     buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, magnitudes, *bwd_ints,
-                                       *bwd_strides, *fused)
+                                       *bwd_strides)
     return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
 
 

@@ -13,7 +13,16 @@ import os
 import numpy as np
 
 from . import _cpu, _dispatch
-from ._checks import AttentionCall, _cupy_or_none, check_attention, check_backward, lse_dtype
+from ._checks import (
+    FLOAT_DTYPES,
+    AttentionCall,
+    as_array,
+    check_attention,
+    check_backward,
+    check_flag,
+    loaded_cupy,
+    lse_dtype,
+)
 from ._kernels import (
     ForwardLaunch,
     Tf32PrepLaunch,
@@ -318,8 +327,7 @@ def _sizes(call: AttentionCall, extents, num_m: int, num_dv: int) -> list[int]:
 
 #: Forward launch plans by call signature (:func:`_plan_key`): a ForwardLaunch (kernel,
 #: grid, shared memory and the parameter block without its pointers). A repeated signature
-#: skips dispatch, layout and packing, which is most of the Python time of a call (PERF.md:
-#: host overhead).
+#: skips dispatch, layout and packing, which is most of the Python time of a call.
 _forward_plans: dict = {}
 _MAX_PLANS = 512
 
@@ -364,16 +372,15 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
 #: strides, dtypes and devices (q, k, v, and mask and bias when given), whether q, k, v
 #: start on 16-byte boundaries, the scalar arguments as given (window sides with their
 #: types, since (1.0, 2) is refused where (1, 2) is not) and the environment variables that
-#: choose a family or the sources; so a call that matches one needs neither (PERF.md: host
-#: overhead).
+#: choose a family or the sources; so a call that matches one needs neither.
 _repeated: dict = {}
 
 
 def _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision):
     """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
     unseen signature is validated and planned the long way, then remembered)."""
-    cupy = _cupy_or_none()
-    if cupy is None:
+    cupy = loaded_cupy()
+    if cupy is None:  # nothing has imported CuPy: q is no cupy.ndarray
         return None
     ndarray = cupy.ndarray
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
@@ -398,7 +405,8 @@ def _repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_l
         window_key = None
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
            v.dtype, device, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) % 16 == 0,
-           *extra, window_key, scale, causal, softcap, return_lse, precision,
+           *extra, window_key, type(scale), scale, type(causal), causal, type(softcap), softcap,
+           type(return_lse), return_lse, precision,
            os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
     try:
         entry = _repeated.get(key)
@@ -463,26 +471,23 @@ def _forward_gpu(call: AttentionCall, kernel: str | None, tiles):
 
 
 def _prepared_plan(call: AttentionCall, choice, out, lse):
-    """(launch, pointer sets) of the piped sm90 float instances (attention_sm90_tf32.cu,
-    attention_fwd_sm90_tf32_piped and attention_fwd_sm90_3xtf32_piped), which read K and V
-    prepared per call: per batch entry of k, its tile images (tf32_image_k: each tile of
-    block_n keys rounded to TF32, or split into hi and lo rows, in the shared-memory
-    layout), per batch entry of v its V^T tile images (tf32_image_vt). As for
+    """(launch, pointer sets) of the piped sm90_tf32 instance (attention_sm90_tf32.cu,
+    attention_fwd_sm90_tf32_piped), which reads K and V prepared per call: per batch entry
+    of k, its tile images (tf32_image_k: each tile of block_n keys rounded to TF32 in the
+    shared-memory layout), per batch entry of v its V^T tile images (tf32_image_vt). As for
     :func:`_forward_plan`, the pointer sets are None when every launch is one: the launch
     (a :class:`_PreparedLaunch`) then allocates the images, prepares them and runs the
     kernel from the call's seven pointers, and the plan is kept. Otherwise the images are
     prepared here, and the pointer sets are the kernel's launches over them."""
     cupy = call.xp
     sk, bn = call.seqlen_k, choice.tiles.block_n
-    split = choice.family == "sm90_3xtf32"  # every tile twice: hi, lo
     tiles = -(-sk // bn)
     entries, preps = [], []
     for name, x, cols, src_cols in (("k", call.k, choice.d_tile, call.head_dim),
                                     ("vt", call.v, choice.dv_tile, call.head_dim_v)):
         own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
-        images = cupy.empty(own + (tiles, (2 if split else 1) * bn * cols), np.float32)
-        preps.append(_tf32_prep_plan(f"tf32_image_{name}<{str(split).lower()}>", x, images,
-                                     bn, cols, sk, src_cols))
+        images = cupy.empty(own + (tiles, bn * cols), np.float32)
+        preps.append(_tf32_prep_plan(f"tf32_image_{name}", x, images, bn, cols, sk, src_cols))
         strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
         entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
                         + [images.shape[-1], 1]))
@@ -581,16 +586,12 @@ def _tf32_prep_plan(expr: str, src, images, rows: int, cols: int, src_rows: int,
 #: cuda/attention_backward_sm90_3xf16.cu)
 MAGNITUDE_ROWS = 16
 
-#: Largest dQ scratch of the fused backward (attention_bwd_sm90_fused): batch entries run in
-#: chunks whose scratch fits, so the backward's extra memory stays O(B·H·S) beyond it.
-FUSED_SCRATCH_BYTES = 64 * 2**20
-
 
 def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
-    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (or the
-    fused kernel, when the tiles ask for it, chunk by chunk of batch entries). A
-    gradient of an input that was broadcast over batch axes is computed per batch entry in
-    the accumulator type and summed over those axes (a deterministic CuPy reduction)."""
+    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (after the
+    magnitudes kernel where the family has one). A gradient of an input that was broadcast
+    over batch axes is computed per batch entry in the accumulator type and summed over
+    those axes (a deterministic CuPy reduction)."""
     cupy = call.xp
     acc = lse_dtype(call.dtype)
     batch = call.batch_shape
@@ -607,13 +608,8 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
         cc, smem_limit = _device_limits(call.q.device.id)
         choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
                                             kernel, tiles)
-        # the fused kernel writes dQ of the query tiles that some key block reaches: under a
-        # band the others (rows that see no key) are zeros from the start
-        banded = call.window_left >= 0 or call.window_right >= 0
-        targets = [(cupy.zeros if i == 0 and choice.fused and banded else cupy.empty)(
-                       x.shape if d else batch + x.shape[-2:], g)
-                   for i, (x, d, g) in enumerate(zip(inputs, direct,
-                                                     (q_dtype, kv_dtype, kv_dtype)))]
+        targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
+                   for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
         delta = cupy.empty(call.lse_shape, acc)
         tensors = _forward_tensors(call, out, lse) + [
             (dout, _broadcast_strides(dout, dout.shape)),
@@ -633,10 +629,9 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
              -(-rows_q // (choice.threads_delta // 32))),
             (choice.dkdv, choice.smem_dkdv, choice.threads_dkdv, dkdv_rows, dkdv_cols,
              dkdv_rows * dkdv_cols * inner),
+            (choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
+             dq_rows * dq_cols * inner),
         ]
-        if not choice.fused:
-            launches.append((choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
-                             dq_rows * dq_cols * inner))
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
         magnitudes = None
@@ -648,38 +643,19 @@ def _backward_gpu(call: AttentionCall, dout, out, lse, kernel: str | None = None
                           cupy.empty(inner * 5, np.float32), chunks)
         mag_ptr = 0 if magnitudes is None else magnitudes[1].data.ptr
 
-        def launch(fn, smem, threads, rows, cols, blocks, pointers, fused=(0, 0, 0, 0)):
+        def launch(fn, smem, threads, rows, cols, blocks, pointers):
             params = pack_attn_bwd_params(pointers[:7] + sizes, call.scale, call.softcap,
                                           strides[:35], pointers[7:] + [rows, cols],
-                                          strides[35:], fused, mag_ptr)
+                                          strides[35:], mag_ptr)
             fn((blocks,), (threads,), (params,), shared_mem=smem)
 
-        if choice.fused:
-            # dQ scratch (query tile x padded head dim floats) and turn counters (two per
-            # tile) for a chunk of batch entries; chunks keep the scratch within
-            # FUSED_SCRATCH_BYTES (or one batch entry)
-            tile_floats = choice.dq_rows * choice.dq_col_tile
-            per_entry = dq_rows * tile_floats * 4
-            chunk = max(1, min(inner, FUSED_SCRATCH_BYTES // per_entry))
-            scratch = cupy.empty(chunk * dq_rows * tile_floats, np.float32)
-            turns = cupy.empty(chunk * dq_rows * 2, np.int32)
-            stream = cupy.cuda.get_current_stream().ptr
         for pointers in pointer_sets:
             if magnitudes is not None:
                 fn, buf, chunks = magnitudes
                 buf.fill(0)
                 launch(fn, 0, 256, chunks, 1, chunks * inner, pointers)
-            launch(kernels[0], *launches[0][1:], pointers)
-            if not choice.fused:
-                for fn, (_, *rest) in zip(kernels[1:], launches[1:]):
-                    launch(fn, *rest, pointers)
-                continue
-            _, smem, threads, rows, cols, _ = launches[1]
-            for begin in range(0, inner, chunk):
-                n = min(chunk, inner - begin)
-                cupy.cuda.runtime.memsetAsync(turns.data.ptr, 0, n * dq_rows * 2 * 4, stream)
-                launch(kernels[1], smem, threads, rows, cols, rows * cols * n, pointers,
-                       (scratch.data.ptr, turns.data.ptr, begin, dq_rows))
+            for fn, (_, *rest) in zip(kernels, launches):
+                launch(fn, *rest, pointers)
         grads = []
         for x, d, g in zip(inputs, direct, targets):
             if not d:
@@ -725,17 +701,42 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
     >>> cuattn.multi_head_attention(x, *w, num_heads=4).shape
     (2, 5, 16)
     """
+    x, xp = as_array(x, "x")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported dtypes are float16, bfloat16, "
+                        f"float32 and float64")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dims (..., N, E), got shape {x.shape}")
     embed = x.shape[-1]
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+        raise TypeError(f"num_heads must be an int, got num_heads={num_heads!r}")
+    if num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got num_heads={num_heads!r}")
     if embed % num_heads:
         raise ValueError(f"embedding dim {embed} is not divisible by num_heads={num_heads}")
-    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
-        if w.shape != (embed, embed):
-            raise ValueError(f"{name} must have shape ({embed}, {embed}), got {w.shape}")
-    for name, b in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o)):
-        if b is not None and b.shape != (embed,):
-            raise ValueError(f"{name} must have shape ({embed},), got {b.shape}")
+    params = {}
+    for name, w, shape in (("w_q", w_q, (embed, embed)), ("w_k", w_k, (embed, embed)),
+                           ("w_v", w_v, (embed, embed)), ("w_o", w_o, (embed, embed)),
+                           ("b_q", b_q, (embed,)), ("b_k", b_k, (embed,)),
+                           ("b_v", b_v, (embed,)), ("b_o", b_o, (embed,))):
+        if w is None:
+            if name.startswith("w"):
+                raise TypeError(f"{name} must be an array, got None")
+            params[name] = None
+            continue
+        w, xw = as_array(w, name)
+        if xw is not xp:
+            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
+                            f"{'numpy' if xw is np else 'cupy'}, x is "
+                            f"{'numpy' if xp is np else 'cupy'}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {w.dtype}")
+        if w.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {w.shape}")
+        params[name] = w
+    w_q, w_k, w_v, w_o = (params[n] for n in ("w_q", "w_k", "w_v", "w_o"))
+    b_q, b_k, b_v, b_o = (params[n] for n in ("b_q", "b_k", "b_v", "b_o"))
+    causal = check_flag(causal, "causal")
     head_dim = embed // num_heads
 
     def matmul(a, w):

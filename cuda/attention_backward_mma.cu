@@ -1,7 +1,7 @@
 // attention_backward_mma.cu -- tensor-core attention backward for float16 / bfloat16
 // (sm_80 and newer).
 //
-// Computes:   the gradients of attention_mma.cu's forward (API.md semantics; reference
+// Computes:   the gradients of attention_mma.cu's forward (reference
 //             cuattn/reference.py::attention_backward_reference) with FlashAttention-2's
 //             recomputation, as attention_backward_portable.cu: delta first
 //             (backward.cuh), then per tile P = exp(s - lse), dP = dO V^T,

@@ -1,23 +1,14 @@
-// attention_backward_mma_f32.cu -- float32 attention backward on tensor cores (sm_80 and
-// newer): TF32 for precision="tf32", split TF32 (3xTF32) for precision="highest".
+// attention_backward_mma_f32.cu -- float32 attention backward for precision="tf32" on
+// tensor cores (sm_80 and newer).
 //
-// Computes:   the gradients of the float32 forward (API.md semantics; reference
+// Computes:   the gradients of the float32 forward (reference
 //             cuattn/reference.py::attention_backward_reference) with FlashAttention-2's
 //             recomputation, as attention_backward_mma.cu: delta first (backward.cuh), then
 //             per tile P = exp(s - lse), dP = dO V^T, dS = P o (dP - delta) (softcap
 //             derivative included), dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K.
-//             Every product runs on mma.sync m16n8k8 TF32 steps with float32 accumulators:
-//             - SPLIT = false ("tf32"): each operand rounded to TF32 once (cvt.rna), P and dS
-//               included; the yardstick is reference.py::naive_attention_backward with the
-//               same roundings.
-//             - SPLIT = true ("highest", Hopper only: see cuattn/_dispatch.py): each
-//               operand x split into hi = tf32(x) and lo = x - hi, three steps per product
-//               (lo.hi, hi.lo, hi.hi); in the score products the small terms accumulate
-//               apart from hi.hi, and the gradient products of each tile (one query tile for
-//               dK/dV, one key tile for dQ) accumulate in fresh registers that are added to
-//               the running gradient in float32: the tensor cores' accumulation truncates,
-//               and accumulating every tile in place missed the accuracy rule in emulation
-//               (tools/emulate_3xtf32.py --backward, docs/kernels.rst).
+//             Every product runs on mma.sync m16n8k8 TF32 steps with float32 accumulators,
+//             each operand rounded to TF32 once (cvt.rna), P and dS included; the yardstick
+//             is reference.py::naive_attention_backward with the same roundings.
 // Kernels:    attention_bwd_dkdv_mma_f32: a block of NUM_WARPS warps owns BLOCK_N =
 //             16*NUM_WARPS keys and all columns of dK and dV; warp w owns keys 16w .. 16w+15
 //             and walks the query tiles (BLOCK_M rows) of the band. S^T = K Q^T and
@@ -43,20 +34,15 @@
 //             gradient products from registers: no shuffles, no transposed copies.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V padded to multiples of 64 (zero-filled);
 //             the tile of the other sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS;
-//             SPLIT; SEPARATE (dK/dV only: dK and dV by different blocks, column tile 1 and
-//             0 of the grid, each with only its own accumulators; the dV blocks recompute
-//             S^T: a smaller register budget, slower where the one-block form fits); PRE (the
-//             streamed tiles rounded, or split into a hi and a lo plane, once in shared
-//             memory by the threads that copied them, instead of at every use); ALIGNED
-//             (16-byte cp.async copies of the streamed tiles: unit column strides, 16-byte
-//             row strides and pointers); MIN_BLOCKS (__launch_bounds__).
-//             Gradients are float32 either way (the accumulator type of float32 inputs).
-// Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*P*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
+//             PRE (the streamed tiles rounded once in shared memory by the threads that
+//             copied them, instead of at every use); ALIGNED (16-byte cp.async copies of the
+//             streamed tiles: unit column strides, 16-byte row strides and pointers);
+//             MIN_BLOCKS (__launch_bounds__).
+//             Gradients are float32 (the accumulator type of float32 inputs).
+// Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
-//             + 2*P*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes, P = 2 planes with PRE and
-//             SPLIT, else 1; cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the
-//             same numbers. The dK/dV kernel adds 32 bytes of static shared memory (the
-//             source pointers of its query-tile copies).
+//             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes;
+//             cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 
@@ -65,47 +51,26 @@ using namespace cuattn::mma;
 
 namespace {
 
-// N operand elements of one k8 step as the instruction reads them: TF32 bits, and with
-// SPLIT the remainders lo = x - hi as well.
-template <int N, bool SPLIT> struct Operand;
-template <int N> struct Operand<N, false> {
+// N operand elements of one k8 step as the instruction reads them: TF32 bits.
+template <int N> struct Operand {
     unsigned hi[N];
     __device__ __forceinline__ void set(int i, float x) { hi[i] = to_tf32(x); }
-    __device__ __forceinline__ void take(int i, const float* x, int) { hi[i] = __float_as_uint(*x); }
-};
-template <int N> struct Operand<N, true> {
-    unsigned hi[N], lo[N];
-    __device__ __forceinline__ void set(int i, float x) {
-        float h, l;
-        split_tf32(x, h, l);
-        hi[i] = __float_as_uint(h);
-        lo[i] = __float_as_uint(l);  // read truncated: rounding it measured no better
-    }
-    // an element already split in shared memory: hi at x, lo `lo_at` floats further on
-    __device__ __forceinline__ void take(int i, const float* x, int lo_at) {
-        hi[i] = __float_as_uint(x[0]);
-        lo[i] = __float_as_uint(x[lo_at]);
-    }
+    // an element already rounded in shared memory
+    __device__ __forceinline__ void take(int i, const float* x) { hi[i] = __float_as_uint(*x); }
 };
 
-// Element i of a B operand from shared memory at x: as stored (PRE: rounded or split in
-// place by round_own_tf32, the lo part LO floats on), or rounded / split here.
-template <bool PRE, int LO, int N, bool SPLIT>
-__device__ __forceinline__ void operand_from(Operand<N, SPLIT>& b, int i, const float* x) {
+// Element i of a B operand from shared memory at x: as stored (PRE: rounded in place by
+// round_own_tf32), or rounded here.
+template <bool PRE, int N>
+__device__ __forceinline__ void operand_from(Operand<N>& b, int i, const float* x) {
     if constexpr (PRE)
-        b.take(i, x, LO);
+        b.take(i, x);
     else
         b.set(i, *x);
 }
 
-// d += a b on one m16n8k8 step; SPLIT: lo.hi + hi.lo first, then hi.hi
-template <bool SPLIT>
-__device__ __forceinline__ void step(float (&d)[4], const Operand<4, SPLIT>& a,
-                                     const Operand<2, SPLIT>& b) {
-    if constexpr (SPLIT) {
-        mma_k8(d, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
-        mma_k8(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
-    }
+// d += a b on one m16n8k8 step
+__device__ __forceinline__ void step(float (&d)[4], const Operand<4>& a, const Operand<2>& b) {
     mma_k8(d, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
 }
 
@@ -128,55 +93,39 @@ __device__ __forceinline__ void load_fragments(float* dst, const float* src,
 
 // S (16 x N per warp) = A B^T over K_DIM: A from the warp's fragment-order tile (a_frag:
 // this lane's float4 of step 0), B from a plain tile at b_lane = tile + g*PITCH + t
-// (rows 8j + g, contraction index k0 + t and k0 + t + 4). SPLIT: the small terms (lo.hi,
-// hi.lo) accumulate in registers of their own and join hi.hi in float32 at the end, so
-// the large accumulator takes one truncating step per k8 instead of three (measured: worst
-// gradient error 1.55x the accuracy bound with all three in one accumulator, 0.61x apart).
-template <int K_DIM, int N, int PITCH, bool SPLIT, bool PRE, int LO>
+// (rows 8j + g, contraction index k0 + t and k0 + t + 4).
+template <int K_DIM, int N, int PITCH, bool PRE>
 __device__ __forceinline__ void scores_f32(float (&s)[N / 8][4], const float4* a_frag,
                                            const float* b_lane) {
-    float sm[SPLIT ? N / 8 : 1][4];  // SPLIT: the small terms, summed apart
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = sm[SPLIT ? j : 0][e] = 0.f;
-#pragma unroll(SPLIT ? 1 : 2)
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll 2
     for (int ks = 0; ks < K_DIM / 8; ++ks) {
         const float4 af = a_frag[ks * 32];
-        Operand<4, SPLIT> a;
+        Operand<4> a;
         a.set(0, af.x);
         a.set(1, af.y);
         a.set(2, af.z);
         a.set(3, af.w);
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-            Operand<2, SPLIT> b;
-            operand_from<PRE, LO>(b, 0, b_lane + 8 * j * PITCH + 8 * ks);
-            operand_from<PRE, LO>(b, 1, b_lane + 8 * j * PITCH + 8 * ks + 4);
-            if constexpr (SPLIT) {
-                mma_k8(sm[j], a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
-                mma_k8(sm[j], a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
-                mma_k8(s[j], a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
-            } else {
-                step(s[j], a, b);
-            }
+            Operand<2> b;
+            operand_from<PRE>(b, 0, b_lane + 8 * j * PITCH + 8 * ks);
+            operand_from<PRE>(b, 1, b_lane + 8 * j * PITCH + 8 * ks + 4);
+            step(s[j], a, b);
         }
     }
-    if constexpr (SPLIT)
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] += sm[j][e];
 }
 
 // O (16 x COLS per warp) += P Z over the N columns of P (accumulator layout, registers) and
 // the N rows of Z (plain tile, b_lane = tile + 2t*PITCH + g): lane t's slots are P's columns
-// 2t, 2t+1 of each 8-column tile and Z's rows 8j + 2t, 8j + 2t + 1. SPLIT: each output
-// column tile sums this tile's steps in fresh registers, then adds them to O in float32.
-template <int N, int COLS, int PITCH, bool SPLIT, bool PRE, int LO>
+// 2t, 2t+1 of each 8-column tile and Z's rows 8j + 2t, 8j + 2t + 1.
+template <int N, int COLS, int PITCH, bool PRE>
 __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const float (&pm)[N / 8][4],
                                                const float* b_lane) {
-    Operand<4, SPLIT> a[N / 8];  // register order: rows g, g+8 at column 2t, then 2t + 1
+    Operand<4> a[N / 8];  // register order: rows g, g+8 at column 2t, then 2t + 1
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) {
         a[j].set(0, pm[j][0]);
@@ -186,25 +135,20 @@ __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const fl
     }
 #pragma unroll
     for (int d = 0; d < COLS / 8; ++d) {
-        float fresh[4] = {0.f, 0.f, 0.f, 0.f};
-        float (&acc)[4] = SPLIT ? fresh : o[d];
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-            Operand<2, SPLIT> b;
-            operand_from<PRE, LO>(b, 0, b_lane + 8 * j * PITCH + 8 * d);
-            operand_from<PRE, LO>(b, 1, b_lane + (8 * j + 1) * PITCH + 8 * d);
-            step(acc, a[j], b);
+            Operand<2> b;
+            operand_from<PRE>(b, 0, b_lane + 8 * j * PITCH + 8 * d);
+            operand_from<PRE>(b, 1, b_lane + (8 * j + 1) * PITCH + 8 * d);
+            step(o[d], a[j], b);
         }
-        if constexpr (SPLIT)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[d][e] += fresh[e];
     }
 }
 
 }  // namespace
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M,
-          int NUM_WARPS, bool SPLIT, bool SEPARATE, bool PRE, bool ALIGNED, int MIN_BLOCKS>
+          int NUM_WARPS, bool PRE, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attention_bwd_dkdv_mma_f32(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
@@ -212,16 +156,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_M % 8 == 0,
                   "head dims are padded to multiples of 64, query tiles to multiples of 8");
     constexpr int Q_ELEMS = BLOCK_M * QP, DO_ELEMS = BLOCK_M * DOP;
-    constexpr int PARTS = PRE && SPLIT ? 2 : 1;  // a stage's hi (and lo) planes
-    constexpr int Q_STAGE = PARTS * Q_ELEMS, DO_STAGE = PARTS * DO_ELEMS;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* k_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_N x HEAD_DIM
     float* v_f = k_f + BLOCK_N * HEAD_DIM;            // fragment order, BLOCK_N x HEAD_DIM_V
-    float* q_s = v_f + BLOCK_N * HEAD_DIM_V;          // [2][PARTS][BLOCK_M][QP]
-    float* do_s = q_s + 2 * Q_STAGE;                  // [2][PARTS][BLOCK_M][DOP]
-    float* lse_s = do_s + 2 * DO_STAGE;               // [2][BLOCK_M], log2 units
+    float* q_s = v_f + BLOCK_N * HEAD_DIM_V;          // [2][BLOCK_M][QP]
+    float* do_s = q_s + 2 * Q_ELEMS;                  // [2][BLOCK_M][DOP]
+    float* lse_s = do_s + 2 * DO_ELEMS;               // [2][BLOCK_M], log2 units
     float* delta_s = lse_s + 2 * BLOCK_M;             // [2][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -242,137 +184,92 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const Range queries = query_band(p, n0, n_last, BLOCK_M);
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
-    // SPLIT: the batch entry's q, dout, lse and delta, read once per query tile, wait in
-    // shared memory rather than in eight registers: at head dim 128 (dK and dV in one
-    // block) those registers are the ones ptxas spilled. Visible after the barrier below.
-    // ("tf32" keeps them in registers: 4 % faster at D128.)
-    __shared__ const float* sources[4];
-    const float* const own[4] = {q, dout, lse, delta};
-    if (SPLIT && threadIdx.x == 0) {
-        sources[0] = q;
-        sources[1] = dout;
-        sources[2] = lse;
-        sources[3] = delta;
-    }
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
-    auto request_q = [&](long long m0, int st, const float* const* src) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_STAGE, src[0] + m0 * p.q_s.row,
+    auto request_q = [&](long long m0, int st) {
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Pitched<QP>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_STAGE, src[1] + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Pitched<DOP>());
         for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
             const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? src[2][r * p.lse_s.row] * float(LOG2E)
+            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
                                                      : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? src[3][r * bp.delta_s.row] : 0.f;
+            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
         }
     };
-    // PRE: round or split the Q and dO chunks this thread copied into stage `st`, once
-    // they have landed (the barrier after makes them visible)
-    auto presplit_q = [&](int st) {
+    // PRE: round the Q and dO chunks this thread copied into stage `st`, once they have
+    // landed (the barrier after makes them visible)
+    auto preround_q = [&](int st) {
         if constexpr (PRE) {
             cp_async_wait<0>();
-            round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(
-                q_s + st * Q_STAGE, Pitched<QP>());
-            round_own_tf32<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED, SPLIT, DO_ELEMS>(
-                do_s + st * DO_STAGE, Pitched<DOP>());
+            round_own_tf32<BLOCK_M, HEAD_DIM, THREADS, ALIGNED, false, 0>(q_s + st * Q_ELEMS,
+                                                                         Pitched<QP>());
+            round_own_tf32<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED, false, 0>(do_s + st * DO_ELEMS,
+                                                                           Pitched<DOP>());
         }
     };
-    if (m_lo < m_hi) request_q(m_lo, 0, own);
+    if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
     load_fragments<BLOCK_N, HEAD_DIM, THREADS>(k_f, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                p.head_dim);
     load_fragments<BLOCK_N, HEAD_DIM_V, THREADS>(v_f, v, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                  p.head_dim_v);
-    if (m_lo < m_hi) presplit_q(0);
-    if constexpr (SPLIT) __syncthreads();  // `sources`
+    if (m_lo < m_hi) preround_q(0);
 
     const float4* k_w = reinterpret_cast<const float4*>(k_f) + warp * (HEAD_DIM / 8) * 32 + lane;
     const float4* v_w = reinterpret_cast<const float4*>(v_f) + warp * (HEAD_DIM_V / 8) * 32 + lane;
     const ScoreConsts<float> consts(p);
 
-    // The query loop for dK (WANT_DK) and/or dV (WANT_DV). SEPARATE: the two gradients are
-    // computed by different blocks (column tile 0: dV, 1: dK), each with only its own
-    // accumulators live -- the register budget of "highest" at head dim 128, where dK, dV and
-    // the fresh per-tile sums of both do not fit 255 registers; the dV blocks recompute S^T
-    // but skip dP^T.
-    auto run = [&](auto want_dk, auto want_dv) {
-        constexpr bool WANT_DK = decltype(want_dk)::value, WANT_DV = decltype(want_dv)::value;
-        constexpr int DK8 = WANT_DK ? HEAD_DIM / 8 : 1, DV8 = WANT_DV ? HEAD_DIM_V / 8 : 1;
-        float dk[DK8][4], dv[DV8][4];
+    float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
 #pragma unroll
-        for (int d = 0; d < DK8; ++d)
+    for (int d = 0; d < HEAD_DIM / 8; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dk[d][e] = 0.f;
+        for (int e = 0; e < 4; ++e) dk[d][e] = 0.f;
 #pragma unroll
-        for (int d = 0; d < DV8; ++d)
+    for (int d = 0; d < HEAD_DIM_V / 8; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dv[d][e] = 0.f;
+        for (int e = 0; e < 4; ++e) dv[d][e] = 0.f;
 
-        int stage = 0;
-        for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
-            const bool more = m0 + BLOCK_M < m_hi;
-            if (more) request_q(m0 + BLOCK_M, stage ^ 1, SPLIT ? sources : own);
-            cp_async_commit();
-            if constexpr (!PRE) cp_async_wait<1>();  // all but the group just issued have
-                                                     // landed (PRE: this tile did earlier) ...
-            __syncthreads();  // ... for every thread: K, V (first time), this query tile
-            const float* q_t = q_s + stage * Q_STAGE;
-            const float* do_t = do_s + stage * DO_STAGE;
-            float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
-            scores_f32<HEAD_DIM, BLOCK_M, QP, SPLIT, PRE, Q_ELEMS>(s, k_w, q_t + g * QP + t);
-            if constexpr (WANT_DK) {
-                scores_f32<HEAD_DIM_V, BLOCK_M, DOP, SPLIT, PRE, DO_ELEMS>(dp, v_w,
-                                                                          do_t + g * DOP + t);
-            } else {
-#pragma unroll
-                for (int j = 0; j < BLOCK_M / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[j][e] = 0.f;  // dS unused
-            }
-            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-            const float* lse_t = lse_s + stage * BLOCK_M;
-            const float* delta_t = delta_s + stage * BLOCK_M;
-            p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
-                                          mask, bias, [&](int j, int e) {
-                                              const int col = 8 * j + 2 * t + e % 2;
-                                              return make_float2(lse_t[col], delta_t[col]);
-                                          });
-            if constexpr (WANT_DV)
-                accumulate_f32<BLOCK_M, HEAD_DIM_V, DOP, SPLIT, PRE, DO_ELEMS>(
-                    dv, s, do_t + 2 * t * DOP + g);
-            if constexpr (WANT_DK)
-                accumulate_f32<BLOCK_M, HEAD_DIM, QP, SPLIT, PRE, Q_ELEMS>(
-                    dk, dp, q_t + 2 * t * QP + g);
-            if (more) presplit_q(stage ^ 1);
-            __syncthreads();  // this stage is consumed before the next iteration refills it
-        }
-        cp_async_wait<0>();  // no copy may outlive the block
+    int stage = 0;
+    for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
+        const bool more = m0 + BLOCK_M < m_hi;
+        if (more) request_q(m0 + BLOCK_M, stage ^ 1);
+        cp_async_commit();
+        if constexpr (!PRE) cp_async_wait<1>();  // all but the group just issued have
+                                                 // landed (PRE: this tile did earlier) ...
+        __syncthreads();  // ... for every thread: K, V (first time), this query tile
+        const float* q_t = q_s + stage * Q_ELEMS;
+        const float* do_t = do_s + stage * DO_ELEMS;
+        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
+        scores_f32<HEAD_DIM, BLOCK_M, QP, PRE>(s, k_w, q_t + g * QP + t);
+        scores_f32<HEAD_DIM_V, BLOCK_M, DOP, PRE>(dp, v_w, do_t + g * DOP + t);
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const float* lse_t = lse_s + stage * BLOCK_M;
+        const float* delta_t = delta_s + stage * BLOCK_M;
+        p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
+                                      mask, bias, [&](int j, int e) {
+                                          const int col = 8 * j + 2 * t + e % 2;
+                                          return make_float2(lse_t[col], delta_t[col]);
+                                      });
+        accumulate_f32<BLOCK_M, HEAD_DIM_V, DOP, PRE>(dv, s, do_t + 2 * t * DOP + g);
+        accumulate_f32<BLOCK_M, HEAD_DIM, QP, PRE>(dk, dp, q_t + 2 * t * QP + g);
+        if (more) preround_q(stage ^ 1);
+        __syncthreads();  // this stage is consumed before the next iteration refills it
+    }
+    cp_async_wait<0>();  // no copy may outlive the block
 
-        const long long row0 = n0 + warp * 16;
-        if constexpr (WANT_DK) {
-            float* dk_out = reinterpret_cast<float*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
-            store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
-                       float(p.scale));
-        }
-        if constexpr (WANT_DV) {
-            float* dv_out = reinterpret_cast<float*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
-            store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v,
-                       lane, 1.f);
-        }
-    };
-    if constexpr (!SEPARATE)
-        run(Bool<true>(), Bool<true>());
-    else if (blk.col_tile == 0)
-        run(Bool<false>(), Bool<true>());
-    else
-        run(Bool<true>(), Bool<false>());
+    const long long row0 = n0 + warp * 16;
+    float* dk_out = reinterpret_cast<float*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
+    store_tile(dk, dk_out, bp.dk_s.row, bp.dk_s.col, row0, p.seqlen_k, p.head_dim, lane,
+               float(p.scale));
+    float* dv_out = reinterpret_cast<float*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
+    store_tile(dv, dv_out, bp.dv_s.row, bp.dv_s.col, row0, p.seqlen_k, p.head_dim_v, lane, 1.f);
 }
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, bool SPLIT, bool PRE, bool ALIGNED, int MIN_BLOCKS>
+          int NUM_WARPS, bool PRE, bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attention_bwd_dq_mma_f32(const AttnBwdParams bp) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
@@ -380,15 +277,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 8 == 0,
                   "head dims are padded to multiples of 64, key tiles to multiples of 8");
     constexpr int K_ELEMS = BLOCK_N * KP, V_ELEMS = BLOCK_N * VP;
-    constexpr int PARTS = PRE && SPLIT ? 2 : 1;  // a stage's hi (and lo) planes
-    constexpr int K_STAGE = PARTS * K_ELEMS, V_STAGE = PARTS * V_ELEMS;
     const AttnParams& p = bp.f;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* q_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_M x HEAD_DIM
     float* do_f = q_f + BLOCK_M * HEAD_DIM;           // fragment order, BLOCK_M x HEAD_DIM_V
-    float* k_s = do_f + BLOCK_M * HEAD_DIM_V;         // [2][PARTS][BLOCK_N][KP]
-    float* v_s = k_s + 2 * K_STAGE;                   // [2][PARTS][BLOCK_N][VP]
+    float* k_s = do_f + BLOCK_M * HEAD_DIM_V;         // [2][BLOCK_N][KP]
+    float* v_s = k_s + 2 * K_ELEMS;                   // [2][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -410,16 +305,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     auto request_kv = [&](long long n0, int st) {
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + st * K_STAGE, v_s + st * V_STAGE, k, v, n0, p, Pitched<KP>(), Pitched<VP>());
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Pitched<KP>(), Pitched<VP>());
     };
-    // PRE: round or split the K and V chunks this thread copied into stage `st`
-    auto presplit_kv = [&](int st) {
+    // PRE: round the K and V chunks this thread copied into stage `st`
+    auto preround_kv = [&](int st) {
         if constexpr (PRE) {
             cp_async_wait<0>();
-            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT, K_ELEMS>(
-                k_s + st * K_STAGE, Pitched<KP>());
-            round_own_tf32<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED, SPLIT, V_ELEMS>(
-                v_s + st * V_STAGE, Pitched<VP>());
+            round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, false, 0>(k_s + st * K_ELEMS,
+                                                                         Pitched<KP>());
+            round_own_tf32<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED, false, 0>(v_s + st * V_ELEMS,
+                                                                           Pitched<VP>());
         }
     };
     if (n_lo < n_hi) request_kv(n_lo, 0);
@@ -428,7 +323,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                                p.head_dim);
     load_fragments<BLOCK_M, HEAD_DIM_V, THREADS>(do_f, dout, bp.dout_s.row, bp.dout_s.col,
                                                  p.seqlen_q - m0, p.head_dim_v);
-    if (n_lo < n_hi) presplit_kv(0);
+    if (n_lo < n_hi) preround_kv(0);
 
     // this lane's two rows (g and g + 8 of the warp's 16)
     float lse_log2[2], dl[2];
@@ -455,18 +350,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         cp_async_commit();
         if constexpr (!PRE) cp_async_wait<1>();  // (PRE: this tile landed earlier)
         __syncthreads();  // Q, dO (first time) and this key tile are in shared memory
-        const float* k_t = k_s + stage * K_STAGE;
-        const float* v_t = v_s + stage * V_STAGE;
+        const float* k_t = k_s + stage * K_ELEMS;
+        const float* v_t = v_s + stage * V_ELEMS;
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        scores_f32<HEAD_DIM, BLOCK_N, KP, SPLIT, PRE, K_ELEMS>(s, q_w, k_t + g * KP + t);
-        scores_f32<HEAD_DIM_V, BLOCK_N, VP, SPLIT, PRE, V_ELEMS>(dp, do_w, v_t + g * VP + t);
+        scores_f32<HEAD_DIM, BLOCK_N, KP, PRE>(s, q_w, k_t + g * KP + t);
+        scores_f32<HEAD_DIM_V, BLOCK_N, VP, PRE>(dp, do_w, v_t + g * VP + t);
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
         p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask,
                                        bias, [&](int, int e) {
                                            return make_float2(lse_log2[e / 2], dl[e / 2]);
                                        });
-        accumulate_f32<BLOCK_N, HEAD_DIM, KP, SPLIT, PRE, K_ELEMS>(dq, dp, k_t + 2 * t * KP + g);
-        if (more) presplit_kv(stage ^ 1);
+        accumulate_f32<BLOCK_N, HEAD_DIM, KP, PRE>(dq, dp, k_t + 2 * t * KP + g);
+        if (more) preround_kv(stage ^ 1);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();

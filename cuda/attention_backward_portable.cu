@@ -1,7 +1,7 @@
 // attention_backward_portable.cu -- the backward of attention on CUDA cores, every dtype.
 //
 // Computes:   the gradients of out = softmax(s) v with respect to q, k and v, where s is the
-//             forward's score (scale, softcap, bias, masking as API.md "Semantics"), by
+//             forward's score (scale, softcap, bias, masking as cuattn/reference.py), by
 //             FlashAttention-2's recomputation: with delta_i = sum_c dout[i, c] out[i, c]
 //             and the forward's lse, each tile of
 //                 P  = exp(s - lse)                      (0 where the key is not allowed)

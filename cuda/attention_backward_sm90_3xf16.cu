@@ -1,13 +1,14 @@
 // attention_backward_sm90_3xf16.cu -- float32 attention backward for precision="highest" on
-// Hopper's float16 tensor cores (sm_90a: wgmma .f16): the 3xTF32 split of
-// attention_backward_sm90_tf32.cu, carried by float16 operands scaled by powers of two.
+// Hopper's float16 tensor cores (sm_90a: wgmma .f16): the 3xTF32 split, carried by float16
+// operands scaled by powers of two (split16.cuh).
 //
-// Computes:   the gradients of attention_backward_sm90_tf32.cu (API.md semantics; reference
-//             cuattn/reference.py::attention_backward_reference), with the same two kernels
-//             after delta (backward.cuh), the same element-wise rule (p_and_ds_tile) and the
-//             same sums: score products [A_hi B_hi^T | A_hi B_lo^T] and A_lo B_hi^T summed
-//             hh + (hl + lh) in float32 (stacked_product_ss); gradient products of each tile
-//             into fresh accumulators, small terms first, added to the running gradient.
+// Computes:   the gradients of the float32 forward (reference
+//             cuattn/reference.py::attention_backward_reference) with the two kernels of
+//             attention_backward_sm90.cu after delta (backward.cuh) and its element-wise rule
+//             (p_and_ds_tile), every product by the split: score products
+//             [A_hi B_hi^T | A_hi B_lo^T] and A_lo B_hi^T summed hh + (hl + lh) in float32
+//             (stacked_product_ss); gradient products of each tile into fresh accumulators,
+//             small terms first, added to the running gradient.
 // The split:  x = hi + lo with hi = x rounded to TF32 (11 significant bits, to nearest) and lo
 //             = x - hi read to 11 significant bits toward zero -- exactly the values that the
 //             3xTF32 split feeds a TF32 instruction (split_tf32; the instruction truncates
@@ -16,20 +17,20 @@
 //             [2^14, 2^15): the products are those of 3xTF32 times s_a s_b (exact), taken out
 //             again by exact multiplies. The recomputed scores are the sm90_3xf16 forward's
 //             (attention_sm90_3xf16.cu: the same products, summed the same way, with the same
-//             scales), so their errors cancel in P = exp(S - lse); against the sm90_3xtf32
-//             forward's lse they do not once the logits grow (the tensor cores round float16
-//             and TF32 products differently: docs/kernels.rst, twentieth session). Where lo * s falls
-//             below float16's normal range (|x| below 2^-16 of the largest magnitude of its
+//             scales), so their errors cancel in P = exp(S - lse); against the lse of a
+//             forward with TF32 products they would not once the logits grow (the tensor
+//             cores round float16 and TF32 products differently). Where lo * s falls below
+//             float16's normal range (|x| below 2^-16 of the largest magnitude of its
 //             operand) lo keeps fewer bits: an absolute error under 2^-38 of that magnitude.
 //             Scales per batch entry (attention_bwd_magnitudes: the largest finite |q|, |k|,
 //             |v|, |dout|, |out|); P by 2^15 (P <= 1); dS by its bound Dv |dout| (|v| + |out|)
 //             (|dP| <= Dv |dout| |v|, |delta| <= Dv |dout| |out|, P <= 1, the softcap factor
 //             <= 1). Exponents are clamped to [-100, 100]: entries whose largest magnitude lies
 //             outside about 2^-86 .. 2^100 lose precision (below) or overflow (above).
-//             Against 3xTF32: the products run at the 16-bit rate (twice TF32's), and 16-bit
-//             wgmma reads B N-contiguous, so the gradient products read the streamed split
-//             tiles as stored -- no transposed copies, and a split tile takes the bytes of one
-//             float tile, which is what lets head dim 128 fit.
+//             Against TF32 operands: the products run at the 16-bit rate (twice TF32's), and
+//             16-bit wgmma reads B N-contiguous, so the gradient products read the streamed
+//             split tiles as stored -- no transposed copies, and a split tile takes the bytes
+//             of one float tile, which is what lets head dim 128 fit.
 // Kernels:    attention_bwd_magnitudes: the largest finite magnitudes per batch entry (grid:
 //             num_row_blocks chunks of MAG_ROWS rows x batch; atomicMax on the float bits,
 //             which order as unsigned integers for non-negative floats: order-independent).
@@ -58,7 +59,7 @@
 //             WARPGROUPS (1 or 2); ROLES (dK/dV: 1, 2 or 3, above); STAGGER (two
 //             warpgroups: the second issues its score products only once the first has
 //             issued its own, so that the first's element-wise pass runs while the tensor
-//             cores compute the second's; an experiment, reached through explicit tiles).
+//             cores compute the second's).
 //             Gradients are float32.
 // Schedule:   per tile t (both kernels): S and dP (S^T and dP^T) by the split, wait, sum,
 //             unscale; the element-wise pass, the split fragments and the gradient products
@@ -96,9 +97,8 @@ using namespace cuattn::split16;
 // block barriers are named (bar_sync) since the two roles reach them from different code.
 // With SHARED_KEYS the dK role forms no S^T: the dV role hands it P^T (times the softcap
 // factor, 0 where masked) through shared memory, so each role runs two split products per
-// tile (a dK role that formed S^T itself ran three, and took 2-4 % longer: docs/kernels.rst,
-// twenty-first session). STAGGER: warpgroup 1 issues its score products only after warpgroup
-// 0 has issued its own (a named barrier).
+// tile (a dK role that formed S^T itself would run three, 2-4 % slower). STAGGER: warpgroup
+// 1 issues its score products only after warpgroup 0 has issued its own (a named barrier).
 template <bool DV, bool DK, bool SHARED_KEYS, bool STAGGER, typename BiasT, bool HAS_MASK,
           int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, bool ALIGNED, bool OVERLAP, int WARPGROUPS>
 __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockCoords& blk,
@@ -146,8 +146,8 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
 
     // Q and dO of query tile t into raw stage t % 2 by cp.async, and its lse (log2 units)
-    // and delta (two warpgroups: from registers loaded one request earlier, as in
-    // attention_backward_sm90_tf32.cu)
+    // and delta (two warpgroups: from registers loaded one request earlier, as
+    // attention_bwd_dkdv_sm90 does with STATS_AHEAD)
     QueryRowStats<BLOCK_M> stats;
     auto request_q = [&](int t) {
         const int st = t & 1;

@@ -1,6 +1,6 @@
 // attention_mma.cu -- tensor-core attention forward for float16 / bfloat16 (sm_80 and newer).
 //
-// Computes:   the same function as attention_portable.cu (API.md semantics; reference
+// Computes:   the same function as attention_portable.cu (reference
 //             cuattn/reference.py::attention_reference): out = softmax(s) v and lse, with
 //             s = scale * q k^T, softcap, bias, bool mask, causal/window band.
 // Layout:     as attention_portable.cu: AttnParams (common.cuh) with element strides for

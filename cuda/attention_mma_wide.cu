@@ -2,16 +2,16 @@
 // float32 through TF32 (sm_80 and newer), float64 through DMMA (the FP64 tensor cores of
 // sm_80, sm_90 and sm_100; dispatch picks it only there).
 //
-// Computes:   the same function as attention_mma.cu (API.md semantics; reference
+// Computes:   the same function as attention_mma.cu (reference
 //             cuattn/reference.py::attention_reference). The products S = Q K^T and O += P V
 //             run on m16n8k8 tensor-core steps:
 //             - T = float, precision="tf32": mma.sync m16n8k8 .tf32 with float32
 //               accumulators, each operand (q, k, P, v) rounded to TF32 (10-bit mantissa,
 //               cvt.rna) once; the softmax is float32. Its yardstick is
 //               cuattn/reference.py::naive_attention with the same roundings.
-//               precision="highest" stays on the portable family: a 3xTF32 variant (hi/lo
-//               operand splits, three products) ran at 39 TFLOP/s but missed the accuracy
-//               rule by up to 2.0x (docs/kernels.rst).
+//               precision="highest" stays on the portable family (and sm90_3xf16 on
+//               Hopper): a 3xTF32 form of this kernel (hi/lo operand splits, three
+//               products, P V accumulated into O) misses the accuracy rule by up to 2.0x.
 //             - T = double: DMMA, IEEE double products and sums (mma.sync m16n8k8 .f64 on
 //               sm_90 and newer, four m8n8k4 on sm_80); the softmax is double.
 // Layout:     as attention_mma.cu: AttnParams with element strides. ALIGNED instances copy
@@ -99,8 +99,7 @@ __device__ __forceinline__ void load_run(T (&r)[N], const T* p) {
 // column g, both at the lane's e-th contraction index (e = 0, 1; the same k for both: which
 // k that is does not matter as long as A and B agree). Operands that sit in this order in
 // shared memory or in registers reach the instruction without copies: ptxas copies a DMMA
-// A group for every instruction when its elements come from different loads
-// (docs/kernels.rst).
+// A group for every instruction when its elements come from different loads.
 template <typename T>
 __device__ __forceinline__ void mma_step(T (&d)[4], const T (&a)[4], const T (&b)[2]) {
     mma_k8(d, operand(a[0]), operand(a[1]), operand(a[2]), operand(a[3]), operand(b[0]),
@@ -265,7 +264,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store; a row with no allowed key gives out 0 and lse -inf (API.md 6).
+    // Normalise and store; a row with no allowed key gives out 0 and lse -inf.
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)

@@ -2,8 +2,8 @@
 //
 // Computes:   out[b, i, :] = sum_j softmax_j(s[b, i, j]) v[b, j, :] and
 //             lse[b, i] = log sum_j exp(s[b, i, j]), with s = scale * q_i . k_j, then
-//             softcap, bias and masking exactly as API.md ("Semantics") and
-//             cuattn/reference.py::attention_reference define them.
+//             softcap, bias and masking exactly as
+//             cuattn/reference.py::attention_reference defines them.
 // Layout:     q (batch, Sq, D), k (batch, Sk, D), v (batch, Sk, Dv), out (batch, Sq, Dv),
 //             lse (batch, Sq); mask and bias (batch, Sq, Sk); every tensor is addressed
 //             through explicit element strides in AttnParams (common.cuh), with three
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     }
     if constexpr (PIPELINED) cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf (API.md 6).
+    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf.
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -305,8 +305,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // ---- the warp-tiled form ---------------------------------------------------------------
 // attention_fwd_portable_warps: the same computation for float64 (and float32) with head
 // dims up to 64, arranged to feed the FMA pipe with as few shared-memory passes per FMA as
-// its registers allow (about half the DFMA peak on an H200: docs/kernels.rst, fifteenth
-// session, for what bounds it). Eight warps; each owns 16
+// its registers allow (about half the DFMA peak on an H200). Eight warps; each owns 16
 // query rows outright -- their scores, row state and P, which goes through a shared tile
 // private to the warp, so the two products need no block barrier between them. The block
 // shares Q (in shared memory for the whole loop) and the K and V tiles (cp.async; K in two
@@ -326,17 +325,15 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // the next tile is requested once every warp has its scores, V of this tile once every warp
 // is done with the last one's P V): the shared memory that lets 64-key tiles fit, whose
 // lane tiles of 4 x 8 in Q K^T take 0.75 of the shared-memory return rate per DFMA where
-// 32-key tiles take all of it (docs/kernels.rst, twenty-second session). With 16-byte
-// copies (ALIGNED) the lockstep loop spreads each copy over a phase instead of issuing it
-// after a barrier: V of tile t a row step at a time in the first half of Q K^T, K of tile
-// t + 1 in the softmax, whose barrier moves before it (RowCopy, portable_tiles.cuh;
-// twenty-fifth session).
+// 32-key tiles take all of it. With 16-byte copies (ALIGNED) the lockstep loop spreads
+// each copy over a phase instead of issuing it after a barrier: V of tile t a row step at
+// a time in the first half of Q K^T, K of tile t + 1 in the softmax, whose barrier moves
+// before it (RowCopy, portable_tiles.cuh).
 // P row ly + 4 i of a warp lives at row 4 ly + i of its tile, so that the four rows one
 // store instruction writes fall in two bank halves (two ways of conflict, the least 256
 // bytes take, where the plain order took four); P V reads its operands one step ahead
 // (accumulate_ahead). For double the row max may go stale (LAZY_LOG2, below): most tiles
-// then need no max, no rescale and no dependent chain before their exp2 (docs/kernels.rst,
-// twenty-third session).
+// then need no max, no rescale and no dependent chain before their exp2.
 // Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
 //             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
 //             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
@@ -554,10 +551,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     // lands by the end of Q K^T; the second barrier then comes before the softmax (K (t) is
     // free once every warp has its scores), and K's copy (tile t + 1) is spread over the
     // softmax, a row step every four exp2 per row, where the exp2 chains leave issue slots.
-    // Issued in one burst after each barrier, the copies held every warp for about 1,600
-    // cycles a tile (clock64 per phase); spread, the kernel runs 2 % faster
-    // (docs/kernels.rst, twenty-fifth session). A warp that skips the tile's products issues
-    // its row steps at once.
+    // Issued in one burst after each barrier, the copies hold every warp for about 1,600
+    // cycles a tile (clock64 per phase); spread, the kernel runs 2 % faster. A warp that
+    // skips the tile's products issues its row steps at once.
     using KCopy = RowCopy<BLOCK_N, HEAD_DIM, PAD, A>;
     using VCopy = RowCopy<BLOCK_N, HEAD_DIM_V, PAD, A>;
     constexpr bool SPREAD = LOCKSTEP && ALIGNED && KCopy::FITS && VCopy::FITS;
@@ -647,7 +643,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf (API.md 6).
+    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf.
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
 #pragma unroll
     for (int i = 0; i < RM; ++i) {

@@ -1,7 +1,7 @@
 // attention_sm90.cu -- tensor-core attention forward for float16 / bfloat16 on Hopper
 // (sm_90a: wgmma).
 //
-// Computes:   the same function as attention_mma.cu (API.md semantics; reference
+// Computes:   the same function as attention_mma.cu (reference
 //             cuattn/reference.py::attention_reference), with the same score transform and
 //             online softmax (mma_softmax.cuh): the accumulators of a warpgroup MMA have the
 //             m16n8 layout of mma.sync in each of its four warps.
@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     };
 
     // the last tile starts at n_last; it runs as a TAIL_N-key tile when that covers it.
-    // Head dims up to 64 only: at 128 the second copy of the tile cost the causal D128
-    // S4096 rows 7 % (register allocation of the masked path; docs/kernels.rst)
+    // Head dims up to 64 only: at 128 the second copy of the tile costs the causal D128
+    // S4096 rows 7 % (register allocation of the masked path)
     constexpr bool TAIL = HEAD_DIM <= 64 && HEAD_DIM_V <= 64;
     const int n_last = n_lo + (n_hi - n_lo - 1) / BLOCK_N * BLOCK_N;
     const bool short_last = TAIL && n_lo < n_hi && n_hi - n_last <= TAIL_N;

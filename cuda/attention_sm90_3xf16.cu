@@ -2,17 +2,16 @@
 // float16 tensor cores (sm_90a: wgmma .f16): the 3xTF32 split carried by scaled float16
 // operands (split16.cuh), the forward of the sm90_3xf16 backward.
 //
-// Computes:   the same function as attention_sm90_tf32.cu with SPLIT (API.md semantics;
-//             reference cuattn/reference.py::attention_reference; yardstick plain float32):
+// Computes:   the float32 attention forward (reference
+//             cuattn/reference.py::attention_reference; yardstick plain float32):
 //             S = [Q_hi K_hi^T | Q_hi K_lo^T] and Q_lo K_hi^T summed hh + (hl + lh) with the
 //             scales taken out -- the calls and order of the sm90_3xf16 dQ kernel, so that
 //             the backward recomputes the same products summed the same way and P = exp(S -
-//             lse) carries no difference between two roundings (the TF32 forward's scores
-//             differ from the float16 products' in the tensor cores' rounding, which the
-//             gradients showed once the logits grew: docs/kernels.rst, twentieth session);
-//             the score transform and online softmax
-//             of the tensor-core forwards (mma_softmax.cuh); O += P V by the split, each key
-//             tile's P V into fresh accumulators (small terms first) added to O in float32.
+//             lse) carries no difference between two roundings (scores formed otherwise, by
+//             TF32 products say, differ in the tensor cores' rounding, which the gradients
+//             show once the logits grow); the score transform and online softmax of the
+//             tensor-core forwards (mma_softmax.cuh); O += P V by the split, each key tile's
+//             P V into fresh accumulators (small terms first) added to O in float32.
 // Scales:     per batch entry, from attention_fwd_magnitudes (the largest finite |q|, |k|,
 //             |v|; the backward finds the same for q and k); P (<= 2^8 here) by 2^7.
 // Ownership:  a block of NUM_WG warpgroups owns BLOCK_M = 64 * NUM_WG query rows of one

@@ -1,20 +1,13 @@
-// attention_sm90_tf32.cu -- float32 attention forward on Hopper's TF32 tensor cores
-// (sm_90a: wgmma .tf32), precision="tf32" and, by the 3xTF32 split, "highest".
+// attention_sm90_tf32.cu -- float32 attention forward for precision="tf32" on Hopper's TF32
+// tensor cores (sm_90a: wgmma .tf32).
 //
-// Computes:   the same function as attention_mma_wide.cu with T = float (API.md semantics;
-//             reference cuattn/reference.py::attention_reference). SPLIT = false
-//             (precision="tf32"; yardstick naive_attention with the same roundings): the
-//             operands of both products (q, k, P, v) are rounded to TF32 (to nearest,
-//             cvt.rna) on chip. The instruction itself would truncate (it ignores the low 13
-//             bits); truncating K missed the accuracy rule by up to 1.8x (docs/kernels.rst).
-//             SPLIT = true (precision="highest"; yardstick plain float32): each operand x is
-//             split into hi = tf32(x) and lo = x - hi (the instruction reads lo's top 19
-//             bits), and every product is A_hi B_lo + A_lo B_hi + A_hi B_hi, the two small
-//             terms first so that the accumulator's truncation happens on small partial
-//             sums; P V of each key tile goes into fresh accumulators added to O in float32
-//             (accumulating into O itself truncates O once per step and missed the accuracy
-//             rule by 2x: docs/kernels.rst). Score transform and online softmax as the other
-//             tensor-core forwards (mma_softmax.cuh), float32 throughout.
+// Computes:   the same function as attention_mma_wide.cu with T = float (reference
+//             cuattn/reference.py::attention_reference; yardstick naive_attention with the
+//             same roundings): the operands of both products (q, k, P, v) are rounded to TF32
+//             (to nearest, cvt.rna) on chip. The instruction itself would truncate (it
+//             ignores the low 13 bits), and truncating K misses the accuracy rule by up to
+//             1.8x. Score transform and online softmax as the other tensor-core forwards
+//             (mma_softmax.cuh), float32 throughout.
 // Layout:     AttnParams (common.cuh) with element strides; ALIGNED instances need unit
 //             column strides, 16-byte aligned rows and D, Dv multiples of 4 (checked in
 //             Python); the others load element by element.
@@ -30,21 +23,18 @@
 //             registers. K tiles arrive by cp.async one tile ahead into two stages, and each
 //             thread rounds the chunks it copied itself while the P V steps run; a V tile
 //             arrives into one staging buffer, requested as soon as the previous one is
-//             transposed. Q as register fragments (S by the register form) was tried here:
-//             ptxas gave P's fragments the registers of the loop-invariant Q fragments
-//             without restoring them (wrong results; docs/kernels.rst). The piped instance
-//             below holds Q in registers correctly (QREG).
-//             With K_STAGES = 1 (the split's D128 tiles, for shared memory) the next K tile
-//             is requested as soon as every warpgroup's S product has read the current one.
-//             Long "tf32" calls take the piped instance at the end of this file instead: K
-//             and V^T prepared once per call, the tiles brought by the copy engine.
-// Shared mem: (BLOCK_M*HEAD_DIM*P + K_STAGES*P*BLOCK_N*HEAD_DIM + (1+P)*BLOCK_N*HEAD_DIM_V)
-//             * 4 bytes with P = 2 parts (hi, lo) when SPLIT, else 1: Q, K_STAGES stages of
-//             K, the V staging tile and V^T, every tile in the 128-byte-swizzle layout of
-//             wgmma (sm90_tiles.cuh) with 32-float column groups, each lo part right after
-//             its hi part. cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
+//             transposed. Q stays in shared memory: held as register fragments here, its
+//             loop-invariant registers are handed to P's fragments by ptxas without being
+//             restored (wrong results). The piped instance below holds Q in registers
+//             correctly (QREG).
+//             Long calls take the piped instance at the end of this file instead: K and V^T
+//             prepared once per call, the tiles brought by the copy engine.
+// Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
+//             two stages of K, the V staging tile and V^T, every tile in the
+//             128-byte-swizzle layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
+//             cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
-//             64 or 128); NUM_WG; SPLIT; K_STAGES (1 or 2); ALIGNED; MIN_BLOCKS.
+//             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
 #include "sm90_tiles.cuh"
 
@@ -53,25 +43,20 @@ using namespace cuattn::mma;
 using namespace cuattn::sm90;
 
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
-          bool SPLIT, int K_STAGES, bool ALIGNED, int MIN_BLOCKS>
+          bool ALIGNED, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     attention_fwd_sm90_tf32(const AttnParams p) {
     constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
-    static_assert(K_STAGES == 1 || K_STAGES == 2, "one or two K stages");
-    constexpr int PARTS = SPLIT ? 2 : 1;  // hi (and lo) of every operand tile
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
-    // a K stage is one tile of K_ROWS rows: with SPLIT the lo rows follow the hi rows, so
-    // that Q_hi [K_hi; K_lo]^T is one product
-    constexpr int K_ROWS = PARTS * BLOCK_N;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][PARTS][64 x HEAD_DIM]
-    float* k_s = q_s + NUM_WG * PARTS * Q_ELEMS;      // [K_STAGES][K_ROWS x HEAD_DIM]
-    float* v_s = k_s + K_STAGES * PARTS * K_ELEMS;    // [BLOCK_N x HEAD_DIM_V], as stored
-    float* vt_s = v_s + V_ELEMS;                      // [PARTS][HEAD_DIM_V x BLOCK_N]
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
+    float* k_s = q_s + NUM_WG * Q_ELEMS;              // [2][BLOCK_N x HEAD_DIM]
+    float* v_s = k_s + 2 * K_ELEMS;                   // [BLOCK_N x HEAD_DIM_V], as stored
+    float* vt_s = v_s + V_ELEMS;                      // [HEAD_DIM_V x BLOCK_N]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
@@ -89,25 +74,24 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_k = [&](int n0, int stage) {
-        float* dst = k_s + stage * K_ROWS * HEAD_DIM;
+        float* dst = k_s + stage * K_ELEMS;
         load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(dst, k + n0 * p.k_s.row, p.k_s.row,
                                                        p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<K_ROWS, 4>());
+                                                       p.head_dim, Sw128<BLOCK_N, 4>());
     };
     auto request_v = [&](int n0) {  // into the staging tile
         load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v + n0 * p.v_s.row, p.v_s.row,
                                                          p.v_s.col, p.seqlen_k - n0,
                                                          p.head_dim_v, Sw128<BLOCK_N, 4>());
     };
-    auto round_own_k = [&](float* tile) {  // lo rows BLOCK_N rows (of 32 floats) further on
-        round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, SPLIT, BLOCK_N * 32>(
-            tile, Sw128<K_ROWS, 4>());
+    auto round_own_k = [&](float* tile) {
+        round_own_tf32<BLOCK_N, HEAD_DIM, THREADS, ALIGNED, false, 0>(tile, Sw128<BLOCK_N, 4>());
     };
     // each warpgroup's 64 rows of Q form one 64-row tile; Q and the first K tile are one
     // group, rounded to TF32 in place as soon as they land
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
-        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * PARTS * Q_ELEMS, q + w * 64 * p.q_s.row,
+        load_tile<64, HEAD_DIM, THREADS, ALIGNED>(q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row,
                                                   p.q_s.row, p.q_s.col, p.seqlen_q - m0 - w * 64,
                                                   p.head_dim, Sw128<64, 4>());
     if (n_lo < n_hi) request_k(n_lo, 0);
@@ -118,50 +102,33 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     if (n_lo < n_hi) round_own_k(k_s);
 #pragma unroll
     for (int w = 0; w < NUM_WG; ++w)
-        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, SPLIT, Q_ELEMS>(q_s + w * PARTS * Q_ELEMS,
-                                                                    Sw128<64, 4>());
+        round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, false, 0>(q_s + w * Q_ELEMS, Sw128<64, 4>());
 
     float o[DV_TILES][4], m[2], l[2];
     clear_row_state(o, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
 
-    const unsigned q_base = smem_addr(q_s + wg * PARTS * Q_ELEMS), k_base = smem_addr(k_s),
+    const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
                    vt_base = smem_addr(vt_s);
-    // byte distances from a hi tile to its lo tile
-    constexpr unsigned Q_LO = Q_ELEMS * 4, VT_LO = V_ELEMS * 4;
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
 
     int stage = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % K_STAGES) {
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage = (stage + 1) % 2) {
         const bool more = n0 + BLOCK_N < n_hi;
-        const int next = (stage + 1) % K_STAGES;
-        if (K_STAGES == 2 && more) request_k(n0 + BLOCK_N, next);
-        cp_async_commit();    // (empty with one K stage)
+        const int next = (stage + 1) % 2;
+        if (more) request_k(n0 + BLOCK_N, next);
+        cp_async_commit();
         cp_async_wait<1>();   // all but the group just committed have landed ...
         fence_proxy_async();  // ... are visible to the tensor cores (with the rounded K) ...
         __syncthreads();      // ... for every thread: this K tile and the staged V tile
 
-        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs. SPLIT:
-        // [Q_hi K_hi^T | Q_hi K_lo^T] by one product, Q_lo K_hi^T by another, each term in
-        // its own accumulators (then summed in float32, the small terms first)
+        // S = Q K^T, both operands K-contiguous in shared memory; V^T while it runs
         float s[BLOCK_N / 8][4];
-        float s_wide[SPLIT ? 2 * BLOCK_N / 8 : 1][4];
-        const unsigned k_tile = k_base + stage * K_ROWS * HEAD_DIM * 4;
-        if constexpr (SPLIT) {
-            stacked_product_ss<BLOCK_N, HEAD_DIM>(s_wide, s, q_base, Q_LO, k_tile);
-        } else {
-            wgmma_fence();
-            product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_tile);
-        }
+        wgmma_fence();
+        product_ss<BLOCK_N, HEAD_DIM, float>(s, q_base, k_base + stage * K_ELEMS * 4);
         wgmma_commit();
-        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS, SPLIT>(vt_s, v_s);
+        transpose_v<BLOCK_N, HEAD_DIM_V, THREADS>(vt_s, v_s);
         wgmma_wait<0>();
-        if constexpr (SPLIT) stacked_sum(s, s_wide, s);
-        if constexpr (K_STAGES == 1) {
-            __syncthreads();  // every warpgroup's S has read the K tile: refill it
-            if (more) request_k(n0 + BLOCK_N, 0);
-            cp_async_commit();
-        }
 
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
@@ -173,32 +140,16 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         if (more) request_v(n0 + BLOCK_N);
         cp_async_commit();
 
-        // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order.
-        // SPLIT: this tile's P V in fresh accumulators, the small terms first, then added
-        const unsigned vt_tile = vt_base;
-        unsigned p_frag[BLOCK_N / 8][4], p_lo[SPLIT ? BLOCK_N / 8 : 1][4];
-        float pv[SPLIT ? DV_TILES : 1][4];  // read by the tensor cores until the wait below
-        if constexpr (SPLIT) {
-            tf32_split_fragments<BLOCK_N>(p_frag, p_lo, s);
-            product_rs_tf32<HEAD_DIM_V, BLOCK_N>(pv, p_frag, vt_tile + VT_LO, false);
-            product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_lo, vt_tile, true);
-            product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_frag, vt_tile, true);
-        } else {
-            tf32_fragments<BLOCK_N>(p_frag, s);
-            product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_tile, true);
-        }
+        // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order
+        unsigned p_frag[BLOCK_N / 8][4];
+        tf32_fragments<BLOCK_N>(p_frag, s);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
         wgmma_commit();
         if (more) {  // while it runs: round the next K tile (landed: only V is younger)
             cp_async_wait<1>();
-            round_own_k(k_s + next * K_ROWS * HEAD_DIM);
+            round_own_k(k_s + next * K_ELEMS);
         }
         wgmma_wait<0>();
-        if constexpr (SPLIT) {
-#pragma unroll
-            for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[d][e] += pv[d][e];
-        }
         // no barrier here: V^T is rewritten only after the next iteration's first barrier,
         // which every thread reaches after its own P V, and the K stage refilled next was
         // read by the S before this iteration's second barrier
@@ -231,16 +182,11 @@ struct Tf32Prep {
 };
 
 // K images: one thread per 16-byte chunk of a tile (four columns of one key), which it
-// writes rounded (SPLIT: its hi parts, and its lo parts rows further on); consecutive
-// threads write consecutive chunks and read one 128-byte row segment per eight; block rows
-// y take batch entries y, y + gridDim.y, ... rows (keys per tile) and cols (the padded head
-// dim) are powers of two, so the index arithmetic is shifts and masks: 64-bit divisions by
-// run-time values per element held this kernel to 1 TB/s (docs/kernels.rst). SPLIT: a
-// tile of 2 * rows image rows, the hi parts of its keys, then their lo parts (the split's K
-// stage layout).
-template <bool SPLIT>
+// writes rounded; consecutive threads write consecutive chunks and read one 128-byte row
+// segment per eight; block rows y take batch entries y, y + gridDim.y, ... rows (keys per
+// tile) and cols (the padded head dim) are powers of two, so the index arithmetic is shifts
+// and masks: 64-bit divisions by run-time values per element hold this kernel to 1 TB/s.
 __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
-    constexpr int PARTS = SPLIT ? 2 : 1;
     const int log_rows = __ffs((int)p.rows) - 1;
     const int log_chunks = log_rows + __ffs((int)p.cols) - 3;  // of a tile's keys
     const long long chunks = ((p.src_rows + p.rows - 1) >> log_rows) << log_chunks;
@@ -251,7 +197,7 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
-        float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks * PARTS;
+        float4* dst = reinterpret_cast<float4*>(p.dst) + b * chunks;
         for (long long i = blockIdx.x * 256LL + threadIdx.x; i < chunks; i += 256LL * gridDim.x) {
             // chunk ch of its tile: column block ch / (8 rows), key row, chunk w of the row
             const int ch = (int)i & ((1 << log_chunks) - 1), w = ch & 7;
@@ -272,22 +218,14 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
                         if (col + c < p.src_cols) e[c] = r[(col + c) * p.src_s.col];
                 }
             }
-            // the image chunk: tile, column block of PARTS * rows rows, row, chunk
-            const long long at = ((i >> log_chunks) << log_chunks) * PARTS +
-                                 (((long long)cb << (log_rows + 3)) * PARTS) + (row << 3) + w;
-            float4 hi, lo;
+            // the image chunk: tile, column block of rows rows, row, chunk
+            const long long at = ((i >> log_chunks) << log_chunks) +
+                                 ((long long)cb << (log_rows + 3)) + (row << 3) + w;
+            float4 hi;
             float* hs = reinterpret_cast<float*>(&hi);
-            float* ls = reinterpret_cast<float*>(&lo);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                if constexpr (SPLIT) {
-                    split_tf32(e[c], hs[c], ls[c]);
-                } else {
-                    hs[c] = __uint_as_float(to_tf32(e[c]));
-                }
-            }
+            for (int c = 0; c < 4; ++c) hs[c] = __uint_as_float(to_tf32(e[c]));
             dst[at] = hi;
-            if constexpr (SPLIT) dst[at + ((long long)p.rows << 3)] = lo;
         }
     }
 }
@@ -295,11 +233,8 @@ __global__ void __launch_bounds__(256) tf32_image_k(const Tf32Prep p) {
 // V^T images: a block transposes 32 keys x 32 columns at a time through shared memory
 // (reads along the head dim; the writes of 32 keys of one column land in one 128-byte row
 // segment); blockIdx.x picks the 32 x 32 piece, block rows y the batch entries. rows and
-// cols are powers of two, as for tf32_image_k. SPLIT: each tile is its hi plane, then its lo
-// plane.
-template <bool SPLIT>
+// cols are powers of two, as for tf32_image_k.
 __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
-    constexpr int PARTS = SPLIT ? 2 : 1;
     __shared__ float piece[32][33];
     const int log_rows = __ffs((int)p.rows) - 1, rows = (int)p.rows, cols = (int)p.cols;
     const long long tiles = (p.src_rows + p.rows - 1) >> log_rows;
@@ -308,7 +243,7 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
     const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
     const long long n = n0 + tx;  // the key this thread writes
     const int pos = tf32_key_position((int)n & (rows - 1));
-    const long long at = ((n >> log_rows) << log_rows) * cols * PARTS;  // its tile
+    const long long at = ((n >> log_rows) << log_rows) * cols;  // its tile
     for (long long b = blockIdx.y; b < p.entries; b += gridDim.y) {
         const float* src = reinterpret_cast<const float*>(p.src) +
                            batch_offset(p.src_s, b, p.batch1, p.batch2);
@@ -322,20 +257,13 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
         }
         __syncthreads();
         float* tile =
-            reinterpret_cast<float*>(p.dst) + (b * tiles << log_rows) * cols * PARTS + at;
+            reinterpret_cast<float*>(p.dst) + (b * tiles << log_rows) * cols + at;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = (int)d0 + ty + 8 * i;
             float* to =
                 tile + (pos >> 5) * cols * 32 + d * 32 + ((((pos >> 2) & 7) ^ (d & 7)) << 2) + (pos & 3);
-            if constexpr (SPLIT) {
-                float hi, lo;
-                split_tf32(piece[tx][ty + 8 * i], hi, lo);
-                to[0] = hi;
-                to[rows * cols] = lo;
-            } else {
-                to[0] = __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
-            }
+            to[0] = __uint_as_float(to_tf32(piece[tx][ty + 8 * i]));
         }
     }
 }
@@ -347,20 +275,20 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
 // waits on the slot's `full` barrier (one arrival plus the bytes of both copies). Per key
 // tile t a consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together,
 // releases slot t - 1 once the first is done, then runs the softmax of tile t while the
-// tensor cores serve the others: with PINGPONG the warpgroups take turns to issue (named
-// barriers 1 .. NUM_WG in a ring), so that one's softmax runs under the others' products
+// tensor cores serve the others: the warpgroups take turns to issue (named barriers 1 ..
+// NUM_WG in a ring), so that one's softmax runs under the others' products
 // (FlashAttention-3's schedule). Q is copied and rounded by the consumers before the loop,
 // as in the other instance, while the first tiles arrive; QREG keeps it as TF32 register
 // fragments (S by the register form). Three warpgroups share each K and V^T tile among 192
-// rows: two-thirds of the L2 traffic per FLOP of two, which bounded these kernels at
-// about 3.6 TB/s (docs/kernels.rst). Results are bit for bit those of
+// rows: two-thirds of the L2 traffic per FLOP of two, and L2 bandwidth (about 3.6 TB/s)
+// bounds these kernels. Results are bit for bit those of
 // attention_fwd_sm90_tf32 with the same key tiles and 128-row blocks (same products in the
 // same order on the same operands); with 192-row blocks too where no band is set (a band
 // can make a tile masked for one block height and interior for the other: mask_scores).
 // Shared mem: (NUM_WG * 64 * HEAD_DIM + STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)) * 4
 // bytes + 16 * STAGES bytes of barriers (cuattn/_dispatch.py::sm90_piped_smem_bytes).
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
-          int STAGES, bool PINGPONG, bool QREG, bool ALIGNED>
+          int STAGES, bool QREG, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     attention_fwd_sm90_tf32_piped(const AttnParams p) {
     constexpr int CONSUMERS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -440,7 +368,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     // in a ring, two warpgroups per barrier); the first warpgroup's first turn is granted
     // here, and the last one's last turn grants none
     const int my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NUM_WG;
-    if (PINGPONG && wg == NUM_WG - 1 && tiles > 0) bar_arrive(1, 256);
+    if (wg == NUM_WG - 1 && tiles > 0) bar_arrive(1, 256);
 
     // QREG: this warp's 16 rows of Q as TF32 A fragments (rows g, g + 8; k = t, t + 4 of
     // every 8 columns), so that S reads only K from shared memory
@@ -487,174 +415,6 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         // turns: S(0); then P V(t - 1) with S(t); then the last P V. Every wgmma is issued
         // outside a branch (ptxas serializes the ones it finds in divergent paths)
         mbar_wait(full, 0);
-        if (PINGPONG) bar_sync(my_turn, 256);
-        issue_s(0);
-        wgmma_commit();
-        if (PINGPONG) bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        softmax(0);
-        for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
-            if (PINGPONG) bar_sync(my_turn, 256);
-            issue_pv(t - 1);
-            wgmma_commit();
-            issue_s(t);
-            wgmma_commit();
-            if (PINGPONG) bar_arrive(next_turn, 256);
-            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
-            release(t - 1);
-            wgmma_wait<0>();
-            softmax(t);
-        }
-        if (PINGPONG) bar_sync(my_turn, 256);
-        issue_pv(tiles - 1);
-        wgmma_commit();
-        if (PINGPONG && wg < NUM_WG - 1) bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        release(tiles - 1);
-    }
-
-    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
-}
-
-// The piped split (precision="highest"), the piped instance's schedule for the 3xTF32
-// products of attention_fwd_sm90_tf32<..., SPLIT = true, ...>: two consumer warpgroups and
-// a producer warpgroup; K and V^T arrive as split tile images (tf32_image_k<true>: hi rows
-// then lo rows; tf32_image_vt<true>: hi plane then lo plane) into separate slots with their
-// own barriers, since Q is held twice (128 KB) and a K tile and a V^T tile are each needed
-// at a different time: S(t) reads K slot t % K_SLOTS, P V(t) one turn later reads V^T slot
-// t % V_SLOTS; the producer requests K(t + 1) before V^T(t). Per turn a warpgroup issues
-// P V(t - 1) into fresh accumulators and passes the turn at once (the turns order only the
-// P V issues, so the other warpgroup's P V queues behind this one's); once its P V is done
-// it adds it to O (as in the per-block kernel), issues S(t) = [Q_hi K_hi^T | Q_hi K_lo^T] +
-// Q_lo K_hi^T and runs the softmax of tile t under the other warpgroup's products. Results
-// are bit for bit those of the per-block split instance with the same 128-row blocks and
-// key tiles (docs/kernels.rst, thirteenth session: the schedule and its measurement).
-// Shared mem: (2 * 2 * 64 * HEAD_DIM + K_SLOTS * 2 * BLOCK_N * HEAD_DIM + V_SLOTS * 2 *
-// HEAD_DIM_V * BLOCK_N) * 4 bytes + 16 * (K_SLOTS + V_SLOTS) bytes of barriers.
-template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int K_SLOTS,
-          int V_SLOTS, bool ALIGNED>
-__global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const AttnParams p) {
-    constexpr int NUM_WG = 2, CONSUMERS = 256, BLOCK_M = 128, DV_TILES = HEAD_DIM_V / 8;
-    static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
-                      (BLOCK_N == 32 || BLOCK_N == 64),
-                  "wgmma shapes of wgmma.cuh (N = 2 BLOCK_N for the wide S product)");
-    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = 2 * BLOCK_N * HEAD_DIM,
-                  V_ELEMS = 2 * HEAD_DIM_V * BLOCK_N;
-    constexpr unsigned K_BYTES = K_ELEMS * 4, V_BYTES = V_ELEMS * 4;
-    constexpr unsigned Q_LO = Q_ELEMS * 4, VT_LO = HEAD_DIM_V * BLOCK_N * 4;
-
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][hi, lo][64 x HEAD_DIM]
-    float* k_slots = q_s + NUM_WG * 2 * Q_ELEMS;       // [K_SLOTS][2 BLOCK_N x HEAD_DIM]
-    float* v_slots = k_slots + K_SLOTS * K_ELEMS;      // [V_SLOTS][hi, lo][HEAD_DIM_V x BLOCK_N]
-    const unsigned full_k = smem_addr(v_slots + V_SLOTS * V_ELEMS), empty_k = full_k + 8 * K_SLOTS,
-                   full_v = empty_k + 8 * K_SLOTS, empty_v = full_v + 8 * V_SLOTS;
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform for ptxas
-    const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);
-    const long long b = blk.b, m0 = blk.m0;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
-    const int off = seqlen_k - seqlen_q;
-    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
-    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
-    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
-
-    if (threadIdx.x == 0) {
-        init_slot_barriers<K_SLOTS>(full_k, empty_k, NUM_WG * 4);
-        init_slot_barriers<V_SLOTS>(full_v, empty_v, NUM_WG * 4);
-        fence_mbar_init();
-    }
-    __syncthreads();
-
-    if (wg == NUM_WG) {  // the producer: K(t + 1) before V^T(t)
-        setmaxnreg_dec<24>();
-        if (warp == NUM_WG * 4 && lane == 0) {
-            const long long tile0 = n_lo / BLOCK_N;
-            auto request_k = [&](int t) {
-                const int s = t % K_SLOTS;
-                if (t >= K_SLOTS) mbar_wait(empty_k + 8 * s, (t / K_SLOTS - 1) & 1);
-                mbar_expect_tx(full_k + 8 * s, K_BYTES);
-                bulk_copy(smem_addr(k_slots) + s * K_BYTES, blk.k + (tile0 + t) * K_ELEMS, K_BYTES,
-                          full_k + 8 * s);
-            };
-            if (tiles > 0) request_k(0);
-            for (int t = 0; t < tiles; ++t) {
-                if (t + 1 < tiles) request_k(t + 1);
-                const int s = t % V_SLOTS;
-                if (t >= V_SLOTS) mbar_wait(empty_v + 8 * s, (t / V_SLOTS - 1) & 1);
-                mbar_expect_tx(full_v + 8 * s, V_BYTES);
-                bulk_copy(smem_addr(v_slots) + s * V_BYTES, blk.v + (tile0 + t) * V_ELEMS, V_BYTES,
-                          full_v + 8 * s);
-            }
-        }
-        return;
-    }
-
-    // the consumers: Q split in place (hi, then lo Q_ELEMS further) while the first tiles arrive
-#pragma unroll
-    for (int w = 0; w < NUM_WG; ++w)
-        load_tile<64, HEAD_DIM, CONSUMERS, ALIGNED>(
-            q_s + w * 2 * Q_ELEMS, blk.q + w * 64 * p.q_s.row, p.q_s.row, p.q_s.col,
-            p.seqlen_q - m0 - w * 64, p.head_dim, Sw128<64, 4>());
-    cp_async_commit();
-    cp_async_wait<0>();
-#pragma unroll
-    for (int w = 0; w < NUM_WG; ++w)
-        round_own_tf32<64, HEAD_DIM, CONSUMERS, ALIGNED, true, Q_ELEMS>(q_s + w * 2 * Q_ELEMS,
-                                                                       Sw128<64, 4>());
-    fence_proxy_async();
-    bar_sync(3, CONSUMERS);
-    setmaxnreg_inc<240>();
-
-    float o[DV_TILES][4], m[2], l[2];
-    m[0] = m[1] = neg_inf<float>();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-    const SoftmaxExp2<float> exp2_fn(lane);
-    const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS), k_base = smem_addr(k_slots),
-                   v_base = smem_addr(v_slots);
-    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);
-    const int my_turn = 1 + wg, next_turn = 2 - wg;
-    if (wg == 1 && tiles > 0) bar_arrive(1, 256);
-
-    unsigned p_hi[BLOCK_N / 8][4], p_lo[BLOCK_N / 8][4];  // P(t - 1), split
-    float sc[BLOCK_N / 8][4], s_wide[2 * BLOCK_N / 8][4], pv[DV_TILES][4];
-    auto issue_s = [&](int t) {
-        const unsigned k_tile = k_base + (t % K_SLOTS) * K_BYTES;
-        stacked_product_ss<BLOCK_N, HEAD_DIM>(s_wide, sc, q_base, Q_LO, k_tile);
-    };
-    auto issue_pv = [&](int t) {  // into fresh accumulators, the small terms first
-        const unsigned vt_tile = v_base + (t % V_SLOTS) * V_BYTES;
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(pv, p_hi, vt_tile + VT_LO, false);
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_lo, vt_tile, true);
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N, false>(pv, p_hi, vt_tile, true);
-    };
-    auto add_pv = [&](int t) {  // P V(t) done: its V^T slot is free, and it joins O
-        if (lane == 0) mbar_arrive(empty_v + 8 * (t % V_SLOTS));
-#pragma unroll
-        for (int d = 0; d < DV_TILES; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[d][e] += pv[d][e];
-    };
-    auto softmax = [&](int t) {  // S(t) done: its K slot is free; scores, row state, P(t)
-        if (lane == 0) mbar_arrive(empty_k + 8 * (t % K_SLOTS));
-        stacked_sum(sc, s_wide, sc);
-        const int n0 = n_lo + t * BLOCK_N;
-        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
-                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
-        const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
-                                                           blk.mask, blk.bias);
-        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, o, scale, exp2_fn);
-        tf32_split_fragments<BLOCK_N>(p_hi, p_lo, sc);
-    };
-    if (tiles > 0) {
-        mbar_wait(full_k, 0);
         bar_sync(my_turn, 256);
         issue_s(0);
         wgmma_commit();
@@ -662,30 +422,24 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_sm90_3xtf32_piped(const 
         wgmma_wait<0>();
         softmax(0);
         for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full_v + 8 * ((t - 1) % V_SLOTS), ((t - 1) / V_SLOTS) & 1);
+            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
             bar_sync(my_turn, 256);
             issue_pv(t - 1);
             wgmma_commit();
-            bar_arrive(next_turn, 256);
-            // P V(t - 1) completes before S(t) is issued, so P's fragments and P V's
-            // accumulators are dead while S's accumulators live; the turn passed on at once
-            // lets the other warpgroup's P V(t - 1) queue behind this one, so the tensor
-            // pipe runs it while this warpgroup adds P V into O and issues S(t)
-            mbar_wait(full_k + 8 * (t % K_SLOTS), (t / K_SLOTS) & 1);
-            wgmma_wait<0>();
-            add_pv(t - 1);
             issue_s(t);
             wgmma_commit();
+            bar_arrive(next_turn, 256);
+            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
+            release(t - 1);
             wgmma_wait<0>();
             softmax(t);
         }
-        mbar_wait(full_v + 8 * ((tiles - 1) % V_SLOTS), ((tiles - 1) / V_SLOTS) & 1);
         bar_sync(my_turn, 256);
         issue_pv(tiles - 1);
         wgmma_commit();
-        if (wg == 0) bar_arrive(next_turn, 256);
+        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
         wgmma_wait<0>();
-        add_pv(tiles - 1);
+        release(tiles - 1);
     }
 
     store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store

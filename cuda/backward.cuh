@@ -101,7 +101,7 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
     // ALL: every element allowed and lse finite -- an interior tile without mask or bias,
     // where every row of the tile has an allowed key: no limits, no lse test, no selects, and
     // the scale folded into the exp2 argument (one rounding); about 4 instructions per
-    // element where the general pass takes over 15 (predicates, docs/kernels.rst)
+    // element where the general pass takes over 15 (predicates)
     auto pass = [&](auto softcap_flag, auto all_flag) {
         constexpr bool SOFTCAP = decltype(softcap_flag)::value, ALL = decltype(all_flag)::value;
 #pragma unroll

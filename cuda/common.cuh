@@ -3,7 +3,7 @@
 // What lives here: the numeric traits (storage type T -> accumulator type), conversions
 // between storage and accumulator, the parameter block of the attention kernels
 // (AttnParams, mirrored field for field by cuattn/_kernels.py::ATTN_PARAMS_DTYPE), and the
-// online-softmax row-state helpers whose names follow DESIGN.md: m (running row max, in
+// online-softmax row-state helpers: m (running row max, in
 // log2 units), l (running row sum), acc (unnormalised output), alpha = exp2(m_old - m_new);
 // the grid order (block_coords), the band's reach in tiles and the interior-tile test.
 //
@@ -40,7 +40,7 @@ __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 // polynomial (under 1 ulp), with no branches. x < -1022 gives 0 (the true value is below
 // 2^-1022, nothing next to a row maximum of 1); NaN stays NaN; -inf gives 0. CUDA's
 // exp2(double) also serves large |x| through a slow path whose branches every softmax
-// element paid for (docs/kernels.rst).
+// element would pay for.
 __device__ __forceinline__ double fast_exp2(double x) {
     constexpr double ROUND = 0x1.8p52;  // x + ROUND rounds x (|x| < 2^51) to an integer
     const double t = x + ROUND;
@@ -193,10 +193,6 @@ struct AttnBwdParams {
     long long dout, delta, dq, dk, dv;        // device addresses; delta: acc type, (batch, Sq)
     long long num_row_blocks, num_col_tiles;  // grid decomposition, computed in Python
     Strides dout_s, delta_s, dq_s, dk_s, dv_s;
-    // the fused kernel's dQ accumulation (attention_bwd_sm90_fused; zero for the others):
-    // float scratch and int turn counters for a chunk of batch entries starting at
-    // batch_begin, num_q_tiles query tiles each
-    long long dq_acc, dq_turn, batch_begin, num_q_tiles;
 };
 
 // Offset of element (b, row, col) of a tensor described by strides s, where b is the
@@ -216,8 +212,7 @@ __device__ __forceinline__ long long batch_offset(const Strides& s, long long b,
 // window) the entries are taken in groups of BAND_GROUP_BLOCKS blocks (at least one entry),
 // and within a group the row blocks are dealt by cost across its entries, costliest first:
 // the last wave holds only cheap blocks instead of a late heavy one, and the blocks in
-// flight read the K and V of one or two groups, not of every entry (L2; docs/kernels.rst,
-// fourteenth session).
+// flight read the K and V of one or two groups, not of every entry (L2).
 constexpr long long BAND_GROUP_BLOCKS = 1024;
 struct BlockCoords {
     long long row_block, col_tile, b;
@@ -298,7 +293,7 @@ __device__ __forceinline__ Range query_band(const AttnParams& p, long long first
 }
 
 // Is key column j allowed for query row i under causal/window? off = seqlen_k - seqlen_q
-// aligns the band to the bottom-right corner (API.md, semantics step 4).
+// aligns the band to the bottom-right corner (as cuattn/reference.py does).
 __device__ __forceinline__ bool in_window(long long i, long long j, long long off,
                                           long long left, long long right) {
     const long long center = i + off;

@@ -241,8 +241,8 @@ __device__ __forceinline__ void store_pair(T* dst, float x0, float x1) {
 
 // The end of the online softmax for one 16-row tile of a warp with output T: out =
 // acc / l and lse = m ln 2 + log l for rows row0 + g and row0 + g + 8, after the quad's
-// partial row sums are combined; a row with no allowed key gives out 0 and lse -inf
-// (API.md 6). Rows past seqlen_q and the columns of the zero pad are not written.
+// partial row sums are combined; a row with no allowed key gives out 0 and lse -inf.
+// Rows past seqlen_q and the columns of the zero pad are not written.
 template <typename T, int DV_TILES>
 __device__ __forceinline__ void store_rows(const float (&o)[DV_TILES][4], const float (&l)[2],
                                            const float (&m)[2], const AttnParams& p,

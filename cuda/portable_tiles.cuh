@@ -212,8 +212,8 @@ __device__ __forceinline__ void accumulate_strided(A (&acc)[TM][TV], const A* p_
 
 // accumulate_strided with its operands loaded one step (VEC keys) ahead, into registers of
 // their own, so that the loads of a step are in flight while the previous step's FMAs run
-// (the forward's warp-tiled form: +3 % at float64 D64 on an H200, docs/kernels.rst,
-// twenty-third session). The last two steps are peeled, so no load is conditional.
+// (the forward's warp-tiled form: +3 % at float64 D64 on an H200). The last two steps are
+// peeled, so no load is conditional.
 template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, int ROW_STEP, int COL_STEP,
           typename A>
 __device__ __forceinline__ void accumulate_ahead(A (&acc)[TM][TV], const A* p_s, const A* v_s,

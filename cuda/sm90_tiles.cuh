@@ -1,6 +1,6 @@
 // sm90_tiles.cuh -- the warpgroup-MMA (wgmma, sm_90a) tile machinery shared by the Hopper
-// kernels (attention_sm90.cu and attention_sm90_tf32.cu, the forwards;
-// attention_backward_sm90.cu and attention_backward_sm90_tf32.cu, the backwards).
+// kernels (attention_sm90.cu, attention_sm90_tf32.cu and attention_sm90_3xf16.cu, the
+// forwards; attention_backward_sm90.cu and attention_backward_sm90_3xf16.cu, the backwards).
 //
 // Operand tiles are 16-bit (T = __half or __nv_bfloat16) or float (read as TF32) in shared
 // memory, in the canonical 128-byte-swizzle layout of wgmma: column groups of 128 bytes (64
@@ -10,17 +10,16 @@
 // four warps (wgmma.cuh), so the tensor-core softmax and the backward's element-wise rule
 // run on them unchanged.
 //   product_ss  acc = A B^T, A (64 rows) and B (N rows) K-contiguous in shared memory
-//   stacked_product_ss, stacked_sum  the 3xTF32 score product from a stacked [B_hi; B_lo]
+//   stacked_product_ss  the split score product from a stacked [B_hi; B_lo] (split16.cuh)
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
 //   zero, request_query_tile  accumulators cleared; a dK/dV kernel's query-tile stage (the
 //               backwards; request_query_operands and QueryRowStats: the same in two parts,
 //               lse and delta a tile ahead through registers)
-//   transpose_v  a staged float tile transposed (V^T, Q^T, dO^T, K^T) for the TF32 register-A
-//               products, rounded or split
+//   transpose_v  a staged float tile transposed (V^T) and rounded to TF32 for the TF32
+//               register-A product
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
-//               makes them from accumulators, contraction permuted; tf32_split_fragments
-//               the hi and lo parts of the 3xTF32 split), B K-contiguous
+//               makes them from accumulators, contraction permuted), B K-contiguous
 #pragma once
 
 #include "mma_tiles.cuh"
@@ -118,12 +117,14 @@ template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 // Named barriers 1 .. 15 among `threads` threads (a multiple of 32): bar_sync waits for
-// them, bar_arrive counts this warp's threads without waiting.
+// them, bar_arrive counts this warp's threads without waiting. The non-.aligned forms:
+// warpgroups of different roles reach one barrier from different code, which the .aligned
+// bar.sync leaves undefined (compute-sanitizer synccheck reports it and stops the kernel).
 __device__ __forceinline__ void bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // acc (64 x N per warpgroup) (+)= A B^T over CONTRACT columns, A (64 rows) and B (N rows;
@@ -143,36 +144,24 @@ __device__ __forceinline__ void product_ss(float (&acc)[N / 8][4], unsigned a_ti
     }
 }
 
-// The 3xTF32 score product of the sm90_3xtf32 forward and backward: acc (64 x N) = A B^T by
-// the split, A (64 rows; its lo tile a_lo bytes on) a K-contiguous tile and B the stacked
-// tile [B_hi; B_lo] (2 N rows: lo rows after hi rows) in shared memory. One product of
-// width 2 N gives [A_hi B_hi^T | A_hi B_lo^T] in `wide`, another A_lo B_hi^T in y;
-// stacked_sum then forms hh + (hl + lh), each term in accumulators of its own (the large
-// one takes one truncating step per k8 instead of three: the mma_3xtf32 backward measured
-// 1.55x the accuracy bound with all three in one accumulator, 0.61x apart: docs/kernels.rst,
-// tenth session). The forward's S and the backward's (S, or S^T with the operands'
-// roles swapped) are the same terms summed the same way, so that their split errors cancel
-// in P = exp(S - lse) (not compared bit for bit; the GPU suite's gradients are within the
-// accuracy rule at 3x). A_hi is read once for two terms: 2/3 of the shared-memory bytes of
-// A that three products of width N read (eighteenth session). T = __half: the same split
-// carried by scaled float16 operands (attention_backward_sm90_3xf16.cu).
+// The split score product of the sm90_3xf16 forward and backward (split16.cuh: the 3xTF32
+// split carried by scaled T = __half operands): acc (64 x N) = A B^T by the split, A (64
+// rows; its lo tile a_lo bytes on) a K-contiguous tile and B the stacked tile [B_hi; B_lo]
+// (2 N rows: lo rows after hi rows) in shared memory. One product of width 2 N gives
+// [A_hi B_hi^T | A_hi B_lo^T] in `wide`, another A_lo B_hi^T in y; stacked_sum_unscaled
+// (split16.cuh) then forms hh + (hl + lh), each term in accumulators of its own, so the
+// tensor cores' accumulation of the large term never adds the small ones. The forward's S
+// and the backward's (S, or S^T with the operands' roles swapped) are the same terms summed
+// the same way, so that their split errors cancel in P = exp(S - lse). A_hi is read once
+// for two terms: 2/3 of the shared-memory bytes of A that three products of width N read.
 // Fences and issues; the caller commits and waits.
-template <int N, int CONTRACT, typename T = float>
+template <int N, int CONTRACT, typename T>
 __device__ __forceinline__ void stacked_product_ss(float (&wide)[2 * N / 8][4],
                                                    float (&y)[N / 8][4], unsigned a_tile,
                                                    unsigned a_lo, unsigned b_stacked) {
     wgmma_fence();
     product_ss<2 * N, CONTRACT, T>(wide, a_tile, b_stacked);
     product_ss<N, CONTRACT, T, 2 * N>(y, a_tile + a_lo, b_stacked);
-}
-
-template <int N8>
-__device__ __forceinline__ void stacked_sum(float (&acc)[N8][4], const float (&wide)[2 * N8][4],
-                                            const float (&y)[N8][4]) {
-#pragma unroll
-    for (int j = 0; j < N8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = wide[j][e] + (wide[N8 + j][e] + y[j][e]);
 }
 
 // Pins accumulator values where they stand: their definitions above (zeroing, say) may not
@@ -262,24 +251,6 @@ __device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
     }
 }
 
-// tf32_fragments for the 3xTF32 split (mma::split_tf32): the hi and lo parts, in the same
-// order (the instruction reads lo's top 19 bits, which keeps x to about 2^-21).
-template <int ROWS>
-__device__ __forceinline__ void tf32_split_fragments(unsigned (&hi)[ROWS / 8][4],
-                                                     unsigned (&lo)[ROWS / 8][4],
-                                                     const float (&x)[ROWS / 8][4]) {
-    constexpr int FROM[4] = {0, 2, 1, 3};  // fragment register e holds x element FROM[e]
-#pragma unroll
-    for (int kk = 0; kk < ROWS / 8; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float h, l;
-            mma::split_tf32(x[kk][FROM[e]], h, l);
-            hi[kk][e] = __float_as_uint(h);
-            lo[kk][e] = __float_as_uint(l);
-        }
-}
-
 // accumulators cleared
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
@@ -305,7 +276,7 @@ __device__ __forceinline__ void request_query_operands(T* q_st, T* do_st, const 
 }
 
 // Q, dO, lse (log2 units) and delta of the query tile at row m0 into one stage of a dK/dV
-// kernel of the backwards (attention_bwd_dkdv_sm90, attention_bwd_sm90_fused): the two
+// kernel of the backwards (attention_bwd_dkdv_sm90, attention_bwd_dkdv_sm90_3xf16): the two
 // tiles by request_query_operands, lse and delta by plain loads (rows past Sq: -inf and 0).
 template <int BLOCK_M, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, typename T>
 __device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse_st,
@@ -323,7 +294,8 @@ __device__ __forceinline__ void request_query_tile(T* q_st, T* do_st, float* lse
 }
 
 // lse and delta of one query tile, held in registers from their load to their store into a
-// stage, for a dK/dV kernel that loads them a tile ahead (attention_bwd_dkdv_sm90_3xtf32):
+// stage, for the dK/dV kernels that load them a tile ahead (attention_bwd_dkdv_sm90,
+// attention_bwd_dkdv_sm90_3xf16):
 // with request_query_tile's plain loads the warp that stores them waits for global memory
 // once per tile while the others wait for it at the next block barrier. Thread i <
 // BLOCK_M (<= the block's threads) holds row m0 + i; rows past Sq give -inf and 0, and the
@@ -348,12 +320,10 @@ template <int BLOCK_M> struct QueryRowStats {
     }
 };
 
-// The transposed TF32 tile of a staged float tile: V^T for the forwards' O += P V
-// (attention_sm90_tf32.cu), Q^T, dO^T and K^T for the split backward's gradient products
-// (attention_backward_sm90_tf32.cu). From the BLOCK_N-row tile vs (Sw128<BLOCK_N, 4>: keys,
-// or queries, as rows) to vt, HEAD_DIM_V rows with the BLOCK_N keys K-contiguous at
-// tf32_key_position (Sw128<HEAD_DIM_V, 4>), rounded to TF32; with SPLIT the remainders go to
-// the lo tile that follows (HEAD_DIM_V * BLOCK_N floats on). A warp moves 16 keys x 8
+// The transposed TF32 tile of a staged float tile: V^T for O += P V of the TF32 forward
+// (attention_sm90_tf32.cu). From the BLOCK_N-row tile vs (Sw128<BLOCK_N, 4>: keys as rows)
+// to vt, HEAD_DIM_V rows with the BLOCK_N keys K-contiguous at tf32_key_position
+// (Sw128<HEAD_DIM_V, 4>), rounded to TF32. A warp moves 16 keys x 8
 // columns per step: lane (n = lane % 16, h = lane / 16) reads 4 columns of key n (one
 // 16-byte load; eight consecutive keys hit eight distinct chunks) and writes them to 4 rows
 // of V^T; rows 4h + e of the two half-warps differ in bit 2 of the swizzle, so the 32 scalar
@@ -363,7 +333,7 @@ template <int BLOCK_M> struct QueryRowStats {
 // warps, WARPS key blocks on). A lane's key then changes by multiples of 16 and its
 // columns by multiples of 8 CS: every address is one of two bases (computed once per
 // tile) plus a constant, the read's swizzle at most one XOR with a constant.
-template <int BLOCK_N, int HEAD_DIM_V, int THREADS, bool SPLIT>
+template <int BLOCK_N, int HEAD_DIM_V, int THREADS>
 __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
     constexpr int WARPS = THREADS / 32, KB = BLOCK_N / 16, CG = HEAD_DIM_V / 8;
     constexpr bool WIDE = WARPS >= KB;  // every warp keeps its key block
@@ -394,14 +364,7 @@ __device__ __forceinline__ void transpose_v(float* vt, const float* vs) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int at = wr[e] + col * 32 + (key / 32) * HEAD_DIM_V * 32;
-                if constexpr (SPLIT) {
-                    float hi, lo;
-                    mma::split_tf32(xs[e], hi, lo);
-                    vt[at] = hi;
-                    vt[HEAD_DIM_V * BLOCK_N + at] = lo;
-                } else {
-                    vt[at] = __uint_as_float(mma::to_tf32(xs[e]));
-                }
+                vt[at] = __uint_as_float(mma::to_tf32(xs[e]));
             }
         }
 }

@@ -163,7 +163,7 @@ def test_portable_warps_stale_max(tiles, profile, causal):
     _check("portable", q, k, v, tiles=tiles, causal=causal)
 
 
-#: families that serve float32 with precision="tf32" (sm90_3xtf32 serves "highest" only)
+#: families that serve float32 with precision="tf32" (sm90_3xf16 serves "highest" only)
 TF32_FAMILIES = [f.name for f in FAMILIES if "float32" in f.dtypes
                  and (f.precisions is None or "tf32" in f.precisions)]
 
@@ -187,10 +187,9 @@ def test_tf32_precision(family, feature, shape):
 
 
 #: variants of the piped sm90_tf32 instance besides the table's: other warpgroups, key
-#: tiles and slots, Q from shared memory, no ping-pong
+#: tiles and slots, Q from shared memory
 PIPED_VARIANTS = [{}, {"block_m": 128, "block_n": 64, "slots": 2, "qreg": True},
-                  {"block_m": 192, "block_n": 64, "slots": 2, "qreg": False},
-                  {"pingpong": False}]
+                  {"block_m": 192, "block_n": 64, "slots": 2, "qreg": False}]
 
 
 @pytest.mark.parametrize("variant", PIPED_VARIANTS)
@@ -227,54 +226,16 @@ def test_piped_operands(variant, feature, shape):
     assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
 
 
-#: (key tile, K slots, V^T slots) of the piped split: the table's D128 and D64 entries
-#: (64-key tiles fit beside a split Q only up to head dim 64)
-PIPED_SPLIT_SHAPES = [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
-                      (17, 1, 59, 59), (300, 5, 128, 64), (70, 1030, 64, 64)]
-PIPED_SPLIT_CASES = [(tiles, shape) for tiles in ((32, 2, 1), (64, 2, 2))
-                     for shape in PIPED_SPLIT_SHAPES
-                     if tiles[0] == 32 or max(shape[2:]) <= 64]
-
-
-@pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
-                                     "bias_f32", "all"])
-@pytest.mark.parametrize("tiles,shape", PIPED_SPLIT_CASES)
-def test_piped_split_operands(feature, tiles, shape):
-    """The piped split (precision="highest": attention_fwd_sm90_3xtf32_piped, K and V^T as
-    split tile images in separate slots) forced through explicit tiles: out and lse bit for
-    bit those of the per-block split instance with the same 128-row blocks and key tiles,
-    and accurate."""
-    cp = _cp()
-    sq, sk, d, dv = shape
-    block_n, k_slots, v_slots = tiles
-    rng = np.random.default_rng(sq + 5 * sk + d)
-    kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
-    q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
-        _rand(rng, (2, 3, sk, dv), np.float32)
-    per_block = _dispatch.Sm90Tiles(128, block_n, stages=1)
-    piped = dataclasses.replace(per_block, prepare_from=1, piped=_dispatch.PipedTiles(
-        128, block_n, k_slots, v_slots=v_slots))
-    dev = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
-    results = [_attention(*(cp.asarray(x) for x in (q, k, v)), kernel="sm90_3xtf32",
-                          return_lse=True, tiles=t, **{**kw, **dev})
-               for t in (per_block, piped)]
-    for a, b in zip(*results):
-        assert bool(cp.array_equal(a, b, equal_nan=True))
-    ref, _ = attention_reference(q, k, v, **kw)
-    assert_accurate(to_host(results[1][0]), ref, naive_attention(q, k, v, **kw))
-
-
-@pytest.mark.parametrize("family", ["sm90_tf32", "sm90_3xtf32"])
-def test_piped_plans_repeat_and_loop(family):
-    """The piped instances' plans: a repeated signature runs from its kept plan (new tile
+def test_piped_plans_repeat_and_loop():
+    """The piped instance's plans: a repeated signature runs from its kept plan (new tile
     images per call) and gives each call its own result; batch axes that do not collapse
     into three (k and v transposed among four batch axes) run as launch loops, preparation
     included. Each result bit for bit the per-block instance's with the same tiles."""
     cp = _cp()
-    per_block = _dispatch.Sm90Tiles(128, 32, stages=1)
-    piped = dataclasses.replace(per_block, prepare_from=1, piped=_dispatch.PipedTiles(
-        128, 32, 2, v_slots=1) if family == "sm90_3xtf32" else _dispatch.PipedTiles(128, 32, 2))
-    kw = {"precision": "tf32"} if family == "sm90_tf32" else {}
+    family, kw = "sm90_tf32", {"precision": "tf32"}
+    per_block = _dispatch.Sm90Tiles(128, 32)
+    piped = dataclasses.replace(per_block, prepare_from=1,
+                                piped=_dispatch.PipedTiles(128, 32, 2))
     rng = np.random.default_rng(11)
     for attempt in range(3):  # the first call plans, the others repeat it
         q, k, v = (cp.asarray(_rand(rng, (2, 3, 150, 64), np.float32)) for _ in range(3))
@@ -292,12 +253,10 @@ def test_piped_plans_repeat_and_loop(family):
 
 
 #: the banded-grid test's variants: every family with its table's tiles, and the piped
-#: instances forced at its short sequences
+#: instance forced at its short sequences
 BANDED_VARIANTS = [(f, None) for f in FAMILY_NAMES] + [
     ("sm90_tf32", dataclasses.replace(_dispatch.Sm90Tiles(128, 64), prepare_from=1,
-                                      piped=_dispatch.PipedTiles(192, 64, 2))),
-    ("sm90_3xtf32", dataclasses.replace(_dispatch.Sm90Tiles(128, 32, stages=1), prepare_from=1,
-                                        piped=_dispatch.PipedTiles(128, 32, 2, v_slots=1)))]
+                                      piped=_dispatch.PipedTiles(192, 64, 2)))]
 
 
 @pytest.mark.parametrize("band", [{"causal": True}, {"window": (100, 30)}])
@@ -329,30 +288,26 @@ def test_banded_grids_cover_every_block(family, tiles, band):
                     naive_attention(*(to_host(x[5, 90:]) for x in (q, k, v)), **kw))
 
 
-@pytest.mark.parametrize("precision", ["highest", "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_long_float32_calls_take_the_piped_instance(precision, causal, d):
-    """A float32 call with enough query rows for the table's threshold (PIPED_SPLIT_FROM,
-    PIPED_FROM_D64 / _D128; twice as many under a band) takes the piped instance of its
-    family on Hopper and is accurate: "tf32" by default, "highest" with sm90_3xtf32 forced
-    (the default "highest" family is sm90_3xf16, which has no piped instance)."""
+def test_long_float32_calls_take_the_piped_instance(causal, d):
+    """A float32 "tf32" call with enough query rows for the table's threshold
+    (PIPED_FROM_D64 / _D128; twice as many under a band) takes the piped instance of
+    sm90_tf32 on Hopper and is accurate."""
     cp = _cp()
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the piped instances are Hopper's (sm_90)")
-    rows = (_dispatch.PIPED_SPLIT_FROM if precision == "highest" else
-            _dispatch.PIPED_FROM_D64 if d == 64 else _dispatch.PIPED_FROM_D128)
+    precision = "tf32"
+    rows = _dispatch.PIPED_FROM_D64 if d == 64 else _dispatch.PIPED_FROM_D128
     sq = 2 * rows if causal else rows
     rng = np.random.default_rng(sq + d)
     q, k, v = (_rand(rng, (1, 2, sq, d), np.float32) for _ in range(3))
     call = check_attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal,
                               precision=precision)
     cc, limit = _device_limits(cp.cuda.Device().id)
-    kernel = "sm90_3xtf32" if precision == "highest" else None
-    choice = _dispatch.forward_kernel(call, cc, limit, kernel, None)
+    choice = _dispatch.forward_kernel(call, cc, limit, None, None)
     assert choice.prepare, choice.name_expression
-    got = _attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal, precision=precision,
-                     kernel=kernel)
+    got = _attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal, precision=precision)
     ref, _ = attention_reference(q, k, v, causal=causal)
     naive = naive_attention(q, k, v, causal=causal, precision=precision)
     assert_accurate(to_host(got), ref, naive)

@@ -14,13 +14,7 @@ from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 import cuattn
-from cuattn._dispatch import (
-    BACKWARD_FAMILIES,
-    MmaF32BwdTiles,
-    Sm90BwdTiles,
-    Sm90F16SplitBwdTiles,
-    Sm90F32BwdTiles,
-)
+from cuattn._dispatch import BACKWARD_FAMILIES, Sm90BwdTiles, Sm90F16SplitBwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
@@ -317,11 +311,9 @@ def test_lse_of_the_wrong_call_is_refused_before_launch():
         cuattn.attention_backward(to_host(out), q, q, q, out, lse)
 
 
-#: The sm90 family's fused form (one kernel; dQ summed over key blocks in key order through
-#: a float scratch), reached only through explicit tiles: 128 keys per block, query tiles
-#: of 64 rows at D64 and 32 at D128.
-FUSED_TILES = {64: Sm90BwdTiles(64, 128, fused=True), 128: Sm90BwdTiles(32, 128, fused=True)}
-FUSED_CASES = {
+#: Band and mask cases of the sm90 families' forms: short sequences, rows no key reaches,
+#: windows, every feature together, a random mask.
+BAND_CASES = {
     "plain": (97, 300, {}),
     "causal_rows_without_keys": (300, 97, {"causal": True}),  # query tiles no key reaches
     "window": (300, 300, {"window": (37, 5)}),
@@ -335,42 +327,6 @@ def _needs_sm90():
         pytest.skip("the sm90 family runs on sm_90 only")
 
 
-@pytest.mark.parametrize("head", [64, 128])
-@pytest.mark.parametrize("case", FUSED_CASES)
-@pytest.mark.parametrize("dtype", [p for p in DTYPES if np.dtype(p).itemsize == 2],
-                         ids=lambda d: np.dtype(d).name)
-def test_sm90_fused_form(dtype, head, case):
-    _needs_sm90()
-    sq, sk, kw = FUSED_CASES[case]
-    rng = np.random.default_rng(sq + sk + head)
-    kw = dict(kw)
-    if kw.get("mask") == "random":
-        kw["mask"] = rng.random((2, 1, sq, sk)) > 0.3
-    _check("sm90", _rand(rng, (2, 3, sq, head), dtype), _rand(rng, (2, 3, sk, head), dtype),
-           _rand(rng, (2, 3, sk, head), dtype), rng, tiles=FUSED_TILES[head], **kw)
-
-
-@pytest.mark.parametrize("head", [64, 128])
-def test_sm90_fused_form_is_bit_identical_and_sums_broadcasts(head):
-    _needs_sm90()
-    cp = _cp()
-    rng = np.random.default_rng(head)
-    dtype = np.float16
-    q = _rand(rng, (2, 2, 3, 600, head), dtype)  # (B, Hkv, G, S, D): five key blocks
-    k, v = _rand(rng, (2, 2, 1, 600, head), dtype), _rand(rng, (2, 2, 1, 600, head), dtype)
-    _check("sm90", q, k, v, rng, tiles=FUSED_TILES[head], causal=True)
-    q, k, v = (cp.asarray(x) for x in (q, k, v))
-    out, lse = cuattn.attention(q, k, v, return_lse=True)
-    dout = cp.asarray(_rand(rng, out.shape, dtype))
-    first = [to_host(g) for g in _attention_backward(dout, q, k, v, out, lse, kernel="sm90",
-                                                     tiles=FUSED_TILES[head])]
-    for _ in range(10):
-        again = _attention_backward(dout, q, k, v, out, lse, kernel="sm90",
-                                    tiles=FUSED_TILES[head])
-        for a, b in zip(first, again):
-            assert a.tobytes() == to_host(b).tobytes()
-
-
 #: The sm90 family's overlapped forms (three stages; the next tile's S and dP issued before
 #: this tile's gradient products), forced through explicit tiles, beside the same tiles
 #: without them.
@@ -378,7 +334,7 @@ OVERLAP_TILES = {64: (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=T
                       Sm90BwdTiles(64, 64, 2, 3)),
                  128: (Sm90BwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True),
                        Sm90BwdTiles(32, 64))}
-OVERLAP_CASES = {**FUSED_CASES, "long": (1100, 1100, {}),
+OVERLAP_CASES = {**BAND_CASES, "long": (1100, 1100, {}),
                  "long_causal": (1100, 1300, {"causal": True})}
 
 
@@ -391,7 +347,7 @@ def test_sm90_overlapped_forms(dtype, head, case):
     in the last place of T (the same products in the same order; the two instances' code
     may contract a multiply and an add differently: at bf16 B4 H32 S4096 D64, 4 to 25 of
     33 million elements differed, by at most 2.4e-4 in gradients up to 0.41), over the
-    fused form's band and mask cases and long ones (many query and key tiles: every stage
+    band and mask cases and long ones (many query and key tiles: every stage
     of the ring refilled many times)."""
     _needs_sm90()
     overlap, plain = OVERLAP_TILES[head]
@@ -435,53 +391,11 @@ def test_sm90_dkdv_stats_ahead(dtype, case, head, overlap):
                      seed=7)
 
 
-SEPARATE_TILES = MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True)
-
-
-@pytest.mark.parametrize("case", FUSED_CASES)
-@pytest.mark.parametrize("head", [64, 128])
-def test_mma_3xtf32_separate_dk_dv_blocks(head, case):
-    """The dK/dV kernel with dK and dV in separate blocks (the table's fallback at D128
-    "highest"): the grid's two column tiles, each writing one gradient."""
-    _needs_sm90()
-    sq, sk, kw = FUSED_CASES[case]
-    rng = np.random.default_rng(sq + sk + head)
-    if kw.get("mask") == "random":
-        kw = {**kw, "mask": rng.random((2, 3, sq, sk)) > 0.3}
-    _check("mma_3xtf32", _rand(rng, (2, 3, sq, head), np.float32),
-           _rand(rng, (2, 3, sk, head), np.float32), _rand(rng, (2, 3, sk, head), np.float32),
-           rng, tiles=SEPARATE_TILES, **kw)
-
-
-#: The sm90_3xtf32 backward's forms (the dispatch table picks one): 32- and 64-key dQ
-#: tiles, the plain and the overlapped forms, one and two warpgroups per block (with two,
-#: the second warpgroup's keys or rows lie past the end in the short cases), over the fused
-#: form's band and mask cases and long ones (many tiles: both raw stages and both
-#: transposed buffers refilled many times).
-SM90_F32_TILES = [Sm90F32BwdTiles(32, 64), Sm90F32BwdTiles(32, 32),
-                  Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True),
-                  Sm90F32BwdTiles(32, 32, dkdv_warpgroups=2, dq_warpgroups=2),
-                  Sm90F32BwdTiles(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2)]
-
-
-@pytest.mark.parametrize("case", OVERLAP_CASES)
-@pytest.mark.parametrize("tiles", SM90_F32_TILES, ids=str)
-def test_sm90_3xtf32_tiles(tiles, case):
-    _needs_sm90()
-    sq, sk, kw = OVERLAP_CASES[case]
-    rng = np.random.default_rng(sq + sk + 5)
-    if kw.get("mask") == "random":
-        kw = {**kw, "mask": rng.random((2, 3, sq, sk)) > 0.3}
-    _check("sm90_3xtf32", _rand(rng, (2, 3, sq, 64), np.float32),
-           _rand(rng, (2, 3, sk, 64), np.float32), _rand(rng, (2, 3, sk, 64), np.float32),
-           rng, tiles=tiles, **kw)
-
-
 #: The sm90_3xf16 backward's forms: one and two warpgroups, plain and overlapped, dK and dV
 #: in one block, in separate blocks (roles 2) or in the two warpgroups of one block (roles
 #: 3, P^T handed from one to the other), with and without the staggered score products, at
-#: head dims 64 and 128 (where the table takes the role forms), over the fused form's band and
-#: mask cases and long ones.
+#: head dims 64 and 128 (where the table takes the role forms), over the band and mask cases
+#: and long ones.
 SM90_3XF16_TILES = [
     Sm90F16SplitBwdTiles(32, 64, dkdv_overlap=True, dq_overlap=True, dkdv_warpgroups=2,
                          dq_warpgroups=2),
@@ -517,7 +431,7 @@ def test_sm90_3xf16_scales_follow_the_magnitudes(magnitude):
     """The split's power-of-two scales come from each batch entry's largest magnitudes: q, k,
     v and dout far from 1 (the logits kept of order 1: q scaled by m, k by 1/m), entries of
     different magnitudes in one call and a k of zeros (scale 1) are as accurate as inputs
-    of order 1. (Large logits are another matter: docs/kernels.rst, twentieth session.)"""
+    of order 1."""
     _needs_sm90()
     rng = np.random.default_rng(11)
     q, k, v = (_rand(rng, (2, 2, 100, 64), np.float32) for _ in range(3))
@@ -535,8 +449,8 @@ def test_sm90_3xf16_pair_with_large_logits(logits, head):
     """The default float32 "highest" pair on Hopper (the sm90_3xf16 forward's out and lse,
     then its backward): q scaled by ``logits`` (peaked softmax rows) stays within the
     accuracy rule, since the backward recomputes the forward's products summed the same way
-    (with the TF32 forward's lse this backward reached 1.2-2.0x the bound at these sizes:
-    docs/kernels.rst, twentieth session)."""
+    (given the lse of a forward that sums them otherwise, it exceeds the bound at these
+    sizes)."""
     _needs_sm90()
     rng = np.random.default_rng(3)
     q, k, v = (_rand(rng, (1, 2, 200, head), np.float32) for _ in range(3))

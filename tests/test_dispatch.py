@@ -60,12 +60,12 @@ def test_sm90_tf32_instances_and_shared_memory():
     choice = forward(F32, 100, precision="tf32")
     assert choice.family == "sm90_tf32"
     assert choice.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, false, 2, true, 1>")
+        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
     assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
-    assert d64.name_expression.endswith("64, 64, 128, 2, false, 2, true, 1>")
+    assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
     assert forward(F32, 64, forced="sm90_tf32") is None  # "highest" is not served
     # the piped instance (K and V^T tile images, a producer warpgroup): three consumer
@@ -73,12 +73,11 @@ def test_sm90_tf32_instances_and_shared_memory():
     piped = choice.prepared
     assert piped.prepare and not choice.prepare and choice.prepare_from == d.PIPED_FROM_D128
     assert piped.name_expression == (
-        "attention_fwd_sm90_tf32_piped<cuattn::NoBias, false, 128, 128, 32, 3, 4, true, false, "
-        "true>")
+        "attention_fwd_sm90_tf32_piped<cuattn::NoBias, false, 128, 128, 32, 3, 4, false, true>")
     assert piped.threads == 512 and piped.tiles.block_m == 192 and piped.tiles.block_n == 32
     assert piped.shared_mem == 4 * (192 * 128 + 4 * 32 * (128 + 128)) + 16 * 4
     assert piped.shared_mem == d.sm90_piped_smem_bytes(d.PipedTiles(192, 32, 4), 128, 128)
-    assert d64.prepared.name_expression.endswith("64, 64, 64, 3, 4, true, true, true>")
+    assert d64.prepared.name_expression.endswith("64, 64, 64, 3, 4, true, true>")
 
 
 def test_prepared_operands_from_enough_query_rows():
@@ -91,16 +90,6 @@ def test_prepared_operands_from_enough_query_rows():
     assert use(choice, rows - 1, False) is choice
     assert use(choice, 2 * rows, True) is choice.prepared
     assert use(choice, 2 * rows - 2, True) is choice
-    # the TF32 split's piped instance (forced: sm90_3xf16 comes first): from PIPED_SPLIT_FROM
-    highest = forward(F32, 128, forced="sm90_3xtf32")
-    assert highest.prepare_from == d.PIPED_SPLIT_FROM
-    assert use(highest, d.PIPED_SPLIT_FROM, False) is highest.prepared
-    assert use(highest, d.PIPED_SPLIT_FROM - 1, False) is highest
-    assert use(highest, 2 * d.PIPED_SPLIT_FROM - 2, True) is highest
-    # the split is piped with two consumer warpgroups only (Q twice beside the slots)
-    assert d._sm90("sm90_3xtf32", F32, 128, 128, None, False, True, 232448,
-                   d.Sm90Tiles(128, 32, stages=1, prepare_from=1,
-                               piped=d.PipedTiles(192, 32, 4))).prepared is None
     # a piped instance that does not fit is not offered
     tiles = d.Sm90Tiles(128, 64, prepare_from=1, piped=d.PipedTiles(192, 32, 4))
     assert d._sm90("sm90_tf32", F32, 128, 128, None, False, True, 232448, tiles).prepared
@@ -126,34 +115,6 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
     assert forward(F32, 256, forced="sm90_3xf16") is None
     assert ("attention_sm90_3xf16.cu", "attention_fwd_magnitudes", True) in \
         d.forward_instances("sm_90")
-
-
-def test_sm90_3xtf32_instances_and_shared_memory():
-    # float32 "highest" on Hopper: the same kernel with SPLIT; Q, K and V^T held twice (hi
-    # and lo parts); D128 keeps one K stage to fit 227 KB
-    d128 = forward(F32, 128, forced="sm90_3xtf32")
-    assert d128.family == "sm90_3xtf32"
-    assert d128.name_expression == (
-        "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 32, 2, true, 1, true, 1>")
-    assert d128.shared_mem == 4 * (2 * 128 * 128 + 1 * 2 * 32 * 128 + 3 * 32 * 128)
-    assert d128.shared_mem <= 232448
-    d64 = forward(F32, 64, forced="sm90_3xtf32")
-    assert d64.name_expression.endswith("64, 64, 64, 2, true, 2, true, 1>")
-    assert d64.shared_mem == 4 * (2 * 128 * 64 + 2 * 2 * 64 * 64 + 3 * 64 * 64)
-    assert forward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
-    # the piped split: two consumer warpgroups and a producer; Q hi and lo per warpgroup,
-    # K slots of a tile's hi and lo rows, V^T slots of its hi and lo planes, a full and an
-    # empty barrier per slot. D128: two K slots and one V^T slot of 32 keys (224 KB)
-    piped = d128.prepared
-    assert piped.prepare and piped.threads == 384 and d128.prepare_from == d.PIPED_SPLIT_FROM
-    assert piped.name_expression == (
-        "attention_fwd_sm90_3xtf32_piped<cuattn::NoBias, false, 128, 128, 32, 2, 1, true>")
-    assert piped.shared_mem == 4 * (2 * 2 * 64 * 128 + 2 * 2 * 32 * 128 + 1 * 2 * 128 * 32) \
-        + 16 * (2 + 1)
-    assert piped.shared_mem <= 232448
-    assert d64.prepared.name_expression.endswith("64, 64, 64, 2, 2, true>")
-    assert d64.prepared.shared_mem == 4 * (2 * 2 * 64 * 64 + 2 * 2 * 64 * 64 + 2 * 2 * 64 * 64) \
-        + 16 * (2 + 2)
 
 
 def test_sm90_instances_and_shared_memory():
@@ -336,39 +297,6 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     assert "attention_bwd_magnitudes" in instances
 
 
-def test_sm90_3xtf32_backward_serves_head_dims_to_64_on_sm90():
-    """The TF32 wgmma split backward serves float32 "highest" to head dim 64 on sm_90 when
-    forced (sm90_3xf16 comes first), two warpgroups per block; wider heads are refused."""
-    choice = backward(F32, 64, forced="sm90_3xtf32")
-    assert choice.family == "sm90_3xtf32"
-    assert choice.filename == "attention_backward_sm90_tf32.cu"
-    assert choice.delta == "attention_bwd_delta<float>"
-    flags = "cuattn::NoBias, false, 64, 64"
-    assert choice.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, false, 2>"
-    assert choice.dq == f"attention_bwd_dq_sm90_3xtf32<{flags}, 32, true, 1, true, 2>"
-    assert (choice.dkdv_rows, choice.dq_rows) == (128, 128)
-    assert (choice.threads_dkdv, choice.threads_dq) == (256, 256)
-    # the .cu header's shared memory: K, V (hi, lo) of both warpgroups + 4 query tiles + 2
-    # transposed ones; Q, dO (hi, lo) of both + 4 key tiles + K^T (hi, lo) per buffer
-    assert (choice.smem_dkdv, choice.smem_dq) == ((4 * 64 * 128 + 6 * 32 * 128 + 128) * 4,
-                                                  (4 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
-    one = backward(F32, 64, forced="sm90_3xtf32",
-                   tiles=d.Sm90F32BwdTiles(32, 32, dkdv_overlap=True, dq_overlap=True))
-    assert one.dkdv == f"attention_bwd_dkdv_sm90_3xtf32<{flags}, 32, true, 1, true, 1>"
-    assert (one.dkdv_rows, one.dq_rows, one.threads_dkdv) == (64, 64, 128)
-    assert (one.smem_dkdv, one.smem_dq) == ((2 * 64 * 128 + 8 * 32 * 128 + 128) * 4,
-                                            (2 * 64 * 128 + 4 * 32 * 128 + 4 * 32 * 64) * 4)
-    plain = backward(F32, 32, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64))
-    assert plain.dq.endswith(", 64, 64, 64, true, 1, false, 1>") and plain.smem_dq == 224 * 1024
-    assert plain.smem_dkdv == (2 * 64 * 128 + 6 * 32 * 128 + 128) * 4
-    with pytest.raises(NotImplementedError, match="shared memory"):  # 256 KB
-        backward(F32, 64, forced="sm90_3xtf32", tiles=d.Sm90F32BwdTiles(32, 64, dq_overlap=True))
-    assert backward(F32, 128, forced="sm90_3xtf32") is None       # head dims to 64
-    assert backward(F32, 64, forced="sm90_3xtf32", precision="tf32") is None
-    assert backward(F32, 64, forced="sm90_3xtf32", gpu=A100) is None
-    assert backward(F32, 64, forced="sm90_3xtf32", gpu=SM86) is None
-
-
 @pytest.mark.parametrize("head,cols,tiles", [(64, 64, 1), (128, 128, 1), (192, 64, 3),
                                              (256, 128, 2)])
 def test_mma_backward_column_tiles_divide_the_padded_head_dim(head, cols, tiles):
@@ -384,9 +312,6 @@ def test_broadcast_gradients_are_written_in_the_accumulator_type():
     choice = backward(F16, 64, grads=(F32, F16))
     assert choice.dkdv.startswith("attention_bwd_dkdv_sm90<__half, float,")
     assert choice.dq.startswith("attention_bwd_dq_sm90<__half, __half,")
-    choice = backward(F16, 64, grads=(F32, F16), tiles=d.Sm90BwdTiles(64, 128, fused=True))
-    assert choice.dkdv.startswith("attention_bwd_sm90_fused<__half, float, __half,")
-    assert choice.fused and choice.dq is None
     choice = backward(F64, 64, grads=(F64, F64))
     assert choice.dkdv.startswith("attention_bwd_dkdv<double, double,")
 
@@ -401,40 +326,27 @@ def test_every_backward_candidate_fits_its_gpu():
 
 
 def test_mma_f32_backward_instances_and_shared_memory():
-    # "highest" at D64 (forced: sm90_3xtf32 serves it on Hopper): one block computes dK
-    # and dV; K and V in fragment order, two stages of Q, dO (pitch D + 4), each split once
-    # into hi and lo planes, lse and delta
-    choice = backward(F32, 40, forced="mma_3xtf32")
-    assert choice.filename == "attention_backward_mma_f32.cu"
+    # "tf32" at D64: one block computes dK and dV; K and V in fragment order, two stages of
+    # Q, dO (pitch D + 4), each rounded to TF32 once in place, lse and delta
+    choice = backward(F32, 40, precision="tf32", gpu=A100)
+    assert choice.family == "mma_f32" and choice.filename == "attention_backward_mma_f32.cu"
     assert choice.dkdv == ("attention_bwd_dkdv_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, "
-                           "true, false, true, true, 2>")
+                           "true, true, 2>")
     assert choice.dq == ("attention_bwd_dq_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, true, "
-                         "true, true, 3>")
+                         "true, 3>")
     assert choice.delta == "attention_bwd_delta<float>" and choice.dkdv_roles == 1
-    assert choice.smem_dkdv == (64 * 128 + 2 * 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
-    assert choice.smem_dq == (64 * 128 + 2 * 2 * 32 * (128 + 8)) * 4
-    # "highest" at D128: one block for dK and dV (16-query tiles); the separate form (two
-    # column tiles of the grid: dV blocks and dK blocks) through explicit tiles
-    choice = backward(F32, 128, forced="mma_3xtf32")
-    assert choice.dkdv_roles == 1 and ", 16, 4, true, false, false, true, 2>" in choice.dkdv
-    choice = backward(F32, 128, forced="mma_3xtf32",
-                      tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 2, separate=True))
-    assert choice.dkdv_roles == 2 and ", 16, 4, true, true, false, true, 2>" in choice.dkdv
-    # "tf32": no split, one block for both, tiles rounded in place (no lo plane)
+    assert choice.smem_dkdv == (64 * 128 + 2 * 32 * (128 + 8) + 2 * 2 * 32) * 4
+    assert choice.smem_dq == (64 * 128 + 2 * 32 * (128 + 8)) * 4
+    # D128: 16-query and 16-key tiles, rounded in place
     choice = backward(F32, 128, precision="tf32")
-    assert choice.dkdv_roles == 1 and ", 16, 4, false, false, true, true, 2>" in choice.dkdv
+    assert choice.dkdv_roles == 1 and ", 16, 4, true, true, 2>" in choice.dkdv
     assert choice.smem_dq == (64 * 256 + 2 * 16 * (256 + 8)) * 4
+    # the fallback tiles read the streamed tiles as stored and round them per use
+    choice = backward(F32, 64, precision="tf32", tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 3))
+    assert choice.dkdv.endswith(", 16, 4, false, true, 2>")
 
 
 def test_sm90_backward_instances_and_shared_memory():
-    # the fused kernel (explicit tiles): two warpgroups of 64 keys; K, V, three stages of
-    # Q, dO, lse and delta, and the dS tile
-    choice = backward(BF16, 40, tiles=d.Sm90BwdTiles(64, 128, fused=True))
-    assert choice.dkdv == ("attention_bwd_sm90_fused<__nv_bfloat16, __nv_bfloat16, "
-                           "__nv_bfloat16, cuattn::NoBias, false, 64, 64, 64, true, 1>")
-    assert choice.fused and choice.dq is None and choice.threads_dkdv == 256
-    assert choice.dkdv_rows == 128 and choice.dq_rows == 64 and choice.dq_col_tile == 64
-    assert choice.smem_dkdv == (128 * 128 + 3 * 64 * 128 + 64 * 128) * 2 + 3 * 2 * 64 * 4
     # the table's two kernels: one warpgroup of 64 keys (dK/dV) or 64 query rows (dQ), all
     # columns in one block (64-query tiles in dK/dV; at D64 dK/dV capped at 2 blocks per SM,
     # dQ at 3, both overlapped: three stages of the streamed tiles; dK/dV loads lse and delta

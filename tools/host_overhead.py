@@ -1,4 +1,4 @@
-"""Host time per call on tiny shapes (PERF.md: <= 25 us of Python per attention call).
+"""Host time per call on tiny shapes (the target: <= 25 us of Python per attention call).
 
     PYTHONPATH=. python tools/host_overhead.py            # microseconds per call
     PYTHONPATH=. python tools/host_overhead.py --profile  # and a cProfile of attention()

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python tools/kernel_times.py FAMILY D DTYPE [causal] [TILES]
 
-e.g. ``sm90_3xtf32 64 float32``, ``mma_3xtf32 64 float32``, ``sm90 64 bfloat16 causal``,
-``sm90_3xtf32 64 float32 "Sm90F32BwdTiles(32, 64, dkdv_overlap=True)"`` (TILES: a tiles
+e.g. ``sm90_3xf16 64 float32``, ``sm90 64 bfloat16 causal``,
+``sm90_3xf16 128 float32 "Sm90F16SplitBwdTiles(32, 32, dkdv_roles=2)"`` (TILES: a tiles
 expression over cuattn._dispatch's names; without it the dispatch table's choice).
 The shape is the backward sweep's: B·S = 16k tokens, H·D = 2048, S = 4096. float32 runs
 with precision "highest". Prints each kernel's median milliseconds and the rate of the

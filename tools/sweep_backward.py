@@ -3,26 +3,23 @@
     PYTHONPATH=. python tools/sweep_backward.py          # mma family
     PYTHONPATH=. python tools/sweep_backward.py --sm90   # sm90 family (Hopper wgmma)
     PYTHONPATH=. python tools/sweep_backward.py --sm90 64  # only head dim 64
-    PYTHONPATH=. python tools/sweep_backward.py --f32 highest  # mma_3xtf32 family, float32
-    PYTHONPATH=. python tools/sweep_backward.py --f32 tf32     # mma_f32 family
-    PYTHONPATH=. python tools/sweep_backward.py --sm90-f32     # sm90_3xtf32 family ("highest")
+    PYTHONPATH=. python tools/sweep_backward.py --f32    # mma_f32 family (float32 "tf32")
     PYTHONPATH=. python tools/sweep_backward.py --sm90 --first 2  # each head dim's first two
     PYTHONPATH=. python tools/sweep_backward.py --sm90 --mask --bias  # with a key-padding-like
                                            # bool mask (B, 1, S, S) and a bias (1, 1, S, S)
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
-for each MmaBwdTiles (Sm90BwdTiles) candidate; the winners go into cuattn/_dispatch.py
-(MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES, SM90_F32_BACKWARD_TILES)
-with the measured reason. bfloat16 inputs, float32 with --f32 (precision "highest" or "tf32")
-and --sm90-f32 (whose first row is the mma_3xtf32 table's choice, for comparison). FLOPs:
-2.5x the forward's.
+for each MmaBwdTiles (Sm90BwdTiles, MmaF32BwdTiles) candidate; the winners go into
+cuattn/_dispatch.py (MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES) with
+the measured reason. bfloat16 inputs, float32 with --f32 (precision "tf32"). FLOPs: 2.5x
+the forward's.
 """
 import math
 import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles, Sm90F32BwdTiles
+from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.bench import _time
 
@@ -37,42 +34,22 @@ CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min bloc
 
 S = Sm90BwdTiles
 SM90_CANDIDATES = {  # head dim -> (query tile of dK/dV, key tile of dQ[, min blocks per SM]
-    #                   [, overlapped forms]), or the fused kernel's query tile (128 keys per
-    #                   block); the table's choice first
+    #                   [, overlapped forms]); the table's choice first
     64: [S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True, dkdv_stats_ahead=True),
          S(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True),
          S(64, 64, 2, 3),
-         S(64, 64, 2, 3, dkdv_overlap=True), S(64, 128, fused=True), S(32, 64, 3, 3),
+         S(64, 64, 2, 3, dkdv_overlap=True), S(32, 64, 3, 3),
          S(32, 64), S(32, 128, 3, 2)],
     128: [S(64, 64, dkdv_stats_ahead=True), S(64, 64), S(64, 64, dq_overlap=True),
-          S(32, 64, dkdv_overlap=True),
-          S(32, 128, fused=True), S(32, 64), S(32, 128), S(64, 128)],
+          S(32, 64, dkdv_overlap=True), S(32, 64), S(32, 128), S(64, 128)],
 }
 
 
 F = MmaF32BwdTiles
-F32_CANDIDATES = {  # precision -> head dim -> tiles, for the mma_3xtf32 / mma_f32 families
-    "highest": {
-        64: [F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 2, 3),
-             F(4, 32, 4, 16, 2, 3, presplit=True)],
-        128: [F(4, 16, 4, 16, 2, 2), F(4, 16, 4, 16, 2, 2, separate=True),
-              F(4, 16, 4, 32, 2, 1), F(4, 16, 4, 8, 2, 2)],
-    },
-    "tf32": {
-        64: [F(4, 32, 4, 32, 2, 3, presplit=True), F(4, 32, 4, 32, 3, 3, presplit=True),
-             F(4, 32, 4, 64, 2, 2, presplit=True)],
-        128: [F(4, 16, 4, 16, 2, 2, presplit=True), F(4, 16, 4, 32, 2, 1, presplit=True)],
-    },
-}
-
-
-G = Sm90F32BwdTiles
-SM90_F32_CANDIDATES = {  # head dim -> tiles: (dK/dV query tile, dQ key tile[, min blocks]);
-    #                       the table's choice first
-    64: [G(32, 32, dq_overlap=True, dkdv_warpgroups=2, dq_warpgroups=2),
-         G(32, 32, dkdv_overlap=True, dq_overlap=True), G(32, 64), G(32, 32),
-         G(32, 64, dkdv_overlap=True), G(32, 32, dq_overlap=True),
-         G(32, 32, dkdv_warpgroups=2, dq_warpgroups=2), G(32, 64, dkdv_warpgroups=2)],
+F32_CANDIDATES = {  # head dim -> tiles, for the mma_f32 family ("tf32")
+    64: [F(4, 32, 4, 32, 2, 3, preround=True), F(4, 32, 4, 32, 3, 3, preround=True),
+         F(4, 32, 4, 64, 2, 2, preround=True), F(4, 32, 4, 32, 2, 3)],
+    128: [F(4, 16, 4, 16, 2, 2, preround=True), F(4, 16, 4, 32, 2, 1, preround=True)],
 }
 
 
@@ -81,13 +58,9 @@ def main():
     kw, dtype = {}, "bfloat16"
     if "--sm90" in sys.argv:
         table, family = SM90_CANDIDATES, "sm90"
-    elif "--sm90-f32" in sys.argv:
-        table, family, dtype = SM90_F32_CANDIDATES, "sm90_3xtf32", "float32"
-        kw["precision"] = "highest"
     elif "--f32" in sys.argv:
-        kw["precision"] = "tf32" if "tf32" in sys.argv else "highest"
-        table, dtype = F32_CANDIDATES[kw["precision"]], "float32"
-        family = "mma_f32" if kw["precision"] == "tf32" else "mma_3xtf32"
+        table, family, dtype = F32_CANDIDATES, "mma_f32", "float32"
+        kw["precision"] = "tf32"
     else:
         table, family = CANDIDATES, "mma"
     s = 4096
@@ -113,12 +86,8 @@ def main():
                                         **kw)
             dout = cp.random.standard_normal(out.shape).astype(dtype)
             flops = 2.5 * 4.0 * b * h * s * s * d / (2 if causal else 1)
-            rows = [(family, t) for t in cands[:first]]
-            if family == "sm90_3xtf32":  # beside the table's mma_3xtf32 choice
-                rows.insert(0, ("mma_3xtf32", None))
-            for fam, tiles in rows:
-                label = fam if tiles is None else " ".join(
-                    f"{k}={v}" for k, v in vars(tiles).items())
+            for fam, tiles in [(family, t) for t in cands[:first]]:
+                label = " ".join(f"{k}={v}" for k, v in vars(tiles).items())
                 try:
                     def call(tiles=tiles, fam=fam, causal=causal, ft=features,
                              args=(dout, q, k, v, out, lse)):

@@ -7,7 +7,7 @@
     PYTHONPATH=. python tools/sweep_tiles.py --f64    # mma_f64 family (float64, DMMA)
     PYTHONPATH=. python tools/sweep_tiles.py --f32    # mma_f32 family (float32 "tf32")
     PYTHONPATH=. python tools/sweep_tiles.py --sm90-tf32  # sm90_tf32 family (Hopper, "tf32")
-    PYTHONPATH=. python tools/sweep_tiles.py --sm90-3xtf32  # sm90_3xtf32 ("highest")
+    PYTHONPATH=. python tools/sweep_tiles.py --sm90-3xf16  # sm90_3xf16 family ("highest")
 
 ``--shape B,H,S`` times that shape instead of the default B4 H16 S4096 (B1 for float64),
 e.g. ``--sm90 bfloat16 --shape 64,12,197`` for the vit suite's ViT-B/16; ``--batch N``
@@ -16,8 +16,7 @@ enough that the host's time per call would show).
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
 cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
-SM90_TILES, SM90_TF32_TILES, SM90_3XTF32_TILES) with the
-measured reason.
+SM90_TILES, SM90_TF32_TILES, SM90_3XF16_TILES) with the measured reason.
 """
 import math
 import sys
@@ -64,9 +63,9 @@ SM90_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks,
     ("bfloat16", 128): [Sm90Tiles(64, 64), Sm90Tiles(64, 64, 1, 3), Sm90Tiles(128, 64),
                         Sm90Tiles(128, 128), Sm90Tiles(128, 64, 1, 3)],
 }
-SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks, stages,
-    # prepare_from: 1 = the piped instance with PipedTiles(block_m, block_n, slots, pingpong,
-    # qreg), K and V prepared once per call)
+SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_blocks,
+    # prepare_from: 1 = the piped instance with PipedTiles(block_m, block_n, slots, qreg), K
+    # and V prepared once per call)
     ("float32", 64): [Sm90Tiles(128, 128),
                       Sm90Tiles(128, 128, prepare_from=1, piped=PipedTiles(192, 64, 4, qreg=True)),
                       Sm90Tiles(128, 128, prepare_from=1, piped=PipedTiles(192, 64, 5, qreg=True)),
@@ -75,17 +74,11 @@ SM90_TF32_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n, min_bl
                                 piped=PipedTiles(128, 128, 3, qreg=True))],
     ("float32", 128): [Sm90Tiles(128, 64),
                        Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(192, 32, 4)),
-                       Sm90Tiles(128, 64, prepare_from=1,
-                                 piped=PipedTiles(192, 32, 4, pingpong=False)),
                        Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(128, 64, 2))],
 }
-SM90_3XTF32_CANDIDATES = {  # Sm90Tiles(block_m, block_n, min_blocks, stages, prepare_from,
-    # piped: PipedTiles(128, block_n, K slots, v_slots=V^T slots), the piped split)
-    ("float32", 64): [Sm90Tiles(128, 64),
-                      Sm90Tiles(128, 64, prepare_from=1, piped=PipedTiles(128, 64, 2, v_slots=2))],
-    ("float32", 128): [Sm90Tiles(128, 32, 1, 1),
-                       Sm90Tiles(128, 32, 1, 1, prepare_from=1,
-                                 piped=PipedTiles(128, 32, 2, v_slots=1))],
+SM90_3XF16_CANDIDATES = {  # Sm90Tiles(block_m = 64 * warpgroups, block_n)
+    ("float32", 64): [Sm90Tiles(128, 64), Sm90Tiles(64, 64), Sm90Tiles(128, 32)],
+    ("float32", 128): [Sm90Tiles(128, 32), Sm90Tiles(64, 32)],
 }
 F64_CANDIDATES = {  # MmaTiles(block_m = 16 * warps, block_n)
     ("float64", 64): [MmaTiles(64, 32), MmaTiles(128, 32), MmaTiles(64, 16), MmaTiles(64, 16, 1, 3),
@@ -98,7 +91,7 @@ def main():
     print(f"{'dtype':8s} {'shape':22s} {'causal':6s} {'tiles':32s} {'ms':>8s} {'TFLOP/s':>8s}")
     table, family = ((MMA_CANDIDATES, "mma") if "--mma" in sys.argv else
                      (SM90_TF32_CANDIDATES, "sm90_tf32") if "--sm90-tf32" in sys.argv else
-                     (SM90_3XTF32_CANDIDATES, "sm90_3xtf32") if "--sm90-3xtf32" in sys.argv else
+                     (SM90_3XF16_CANDIDATES, "sm90_3xf16") if "--sm90-3xf16" in sys.argv else
                      (SM90_CANDIDATES, "sm90") if "--sm90" in sys.argv else
                      (F64_CANDIDATES, "mma_f64") if "--f64" in sys.argv else
                      (F32_CANDIDATES, "mma_f32") if "--f32" in sys.argv else
