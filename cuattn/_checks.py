@@ -1,13 +1,15 @@
 """Argument validation shared by every backend and the references.
 
 Everything a call can get wrong is found here, before any launch or allocation, and raised
-with API.md's exception types: ``TypeError`` for kinds and dtypes, ``ValueError`` for shapes
-and values. The functions return small records of normalised arguments that the backends
+with the documented exception types: ``TypeError`` for kinds and dtypes, ``ValueError`` for
+shapes and values. The functions return small records of normalised arguments that the backends
 consume without re-checking.
 """
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
-           "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype"]
+           "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -37,12 +39,18 @@ def _cupy_or_none():
     return _CUPY[0]
 
 
+def loaded_cupy():
+    """CuPy if something has imported it, else None: an array can only be a cupy.ndarray
+    once CuPy is imported, so NumPy-only calls never pay for the import."""
+    return sys.modules.get("cupy")
+
+
 def as_array(x: Any, name: str):
     """Return ``(array, xp)``: NumPy arrays as they are, CuPy arrays as they are, and CUDA
     ``__cuda_array_interface__`` / ``__dlpack__`` objects as zero-copy CuPy views."""
     if isinstance(x, np.ndarray):
         return x, np
-    cupy = _cupy_or_none()
+    cupy = loaded_cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return x, cupy
     on_cuda = hasattr(x, "__cuda_array_interface__")
@@ -52,6 +60,7 @@ def as_array(x: Any, name: str):
         except Exception:  # noqa: BLE001 - an exotic object: not an array we take
             on_cuda = False
     if on_cuda:
+        cupy = _cupy_or_none()
         if cupy is None:
             from ._kernels import require_cupy
             require_cupy()
@@ -126,13 +135,21 @@ def _device_id(x, xp):
 
 
 def _positive_finite(value, name):
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    # bool is an int and a str converts with float(): neither is a scale
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r} "
+                        f"({type(value).__name__})")
+    value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and positive, got {name}={value}")
     return value
+
+
+def check_flag(value, name: str) -> bool:
+    """A bool argument: Python's or NumPy's bool only (``causal="no"`` is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -168,8 +185,8 @@ def _trailing_broadcasts(shape, target, name):
 
 def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
                     softcap=None, return_lse=False, precision=None, out=None) -> AttentionCall:
-    """Validate an attention call and normalise its arguments (API.md, "Errors")."""
-    # plain lists and loops: this runs on every call (PERF.md's host-overhead target)
+    """Validate an attention call and normalise its arguments (docs/semantics.rst, "Errors")."""
+    # plain lists and loops: this runs on every call (the host-overhead budget)
     (q, xp), (k, xk), (v, xv) = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     arrays = [("q", q, xp), ("k", k, xk), ("v", v, xv)]
     if mask is not None:
@@ -244,7 +261,9 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_finite(scale, "scale")
     softcap = 0.0 if softcap is None else _positive_finite(softcap, "softcap")
-    window_left, window_right = _window(window, bool(causal))
+    causal = check_flag(causal, "causal")
+    return_lse = check_flag(return_lse, "return_lse")
+    window_left, window_right = _window(window, causal)
 
     if precision is not None:
         if q.dtype != np.float32:
@@ -260,6 +279,8 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
         if out.shape != out_shape or out.dtype != q.dtype:
             raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}, got shape "
                              f"{out.shape} and dtype {out.dtype}")
+        if not _writeable(out):
+            raise ValueError("out is read-only; it must be a writeable array")
         for name, x, _ in arrays:
             if name != "out" and may_overlap(out, x):
                 raise ValueError(f"out overlaps {name}; it must be a separate array")
@@ -270,6 +291,11 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
                          head_dim_v=int(head_dim_v), scale=scale, softcap=softcap,
                          window_left=window_left, window_right=window_right,
                          precision=precision, return_lse=bool(return_lse))
+
+
+def _writeable(x) -> bool:
+    """NumPy's writeable flag (a read-only view or buffer); CuPy arrays are always writeable."""
+    return bool(getattr(x.flags, "writeable", True))
 
 
 def check_backward(call: AttentionCall, dout, out, lse):

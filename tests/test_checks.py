@@ -1,4 +1,5 @@
-"""Every row of API.md's error table, on the NumPy path (validation is shared by all)."""
+"""Every row of the error table (docs/semantics.rst), on the NumPy path (validation is shared
+by all backends)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -34,6 +35,14 @@ v = np.ones((2, 3, 10, 12), f32)
      {"precision": "tf32"}, ValueError, "precision applies to float32 only"),
     ((q, k, v), {"out": np.empty((2, 3, 8, 16), f32)}, ValueError, "out must have shape"),
     ((q, k, v), {"out": np.empty((2, 3, 8, 12), np.float64)}, ValueError, "dtype float32"),
+    ((q, k, v), {"causal": "no"}, TypeError, "causal must be a bool"),
+    ((q, k, v), {"causal": 1}, TypeError, "causal must be a bool"),
+    ((q, k, v), {"causal": None}, TypeError, "causal must be a bool"),
+    ((q, k, v), {"return_lse": "yes"}, TypeError, "return_lse must be a bool"),
+    ((q, k, v), {"scale": "0.5"}, TypeError, "scale must be a real number"),
+    ((q, k, v), {"scale": True}, TypeError, "scale must be a real number"),
+    ((q, k, v), {"softcap": "30"}, TypeError, "softcap must be a real number"),
+    ((q, k, v), {"softcap": 1j}, TypeError, "softcap must be a real number"),
 ])
 def test_errors(args, kw, exc, text):
     with pytest.raises(exc, match=text):
@@ -48,6 +57,40 @@ def test_out_overlapping_an_input_is_refused_and_left_untouched():
     with pytest.raises(ValueError, match="out overlaps q"):
         cuattn.attention(qq, kk, vv, out=qq)
     np.testing.assert_array_equal(qq, before)
+
+
+def test_numpy_scalars_and_bools_are_accepted():
+    out = cuattn.attention(q, k, v, causal=np.bool_(True), return_lse=np.bool_(False),
+                           scale=np.float32(0.25), softcap=np.int64(5))
+    assert out.shape == (2, 3, 8, 12)
+
+
+def test_read_only_out_is_refused_before_any_work():
+    out = np.full((2, 3, 8, 12), 7.0, f32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        cuattn.attention(q, k, v, out=out)
+    assert (out == 7.0).all()
+
+
+def test_backward_validates_flags_too():
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuattn.attention_backward(out, q, k, v, out, lse, causal="yes")
+
+
+def test_a_numpy_call_does_not_import_cupy():
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np, cuattn; x = np.ones((2, 8, 4), np.float32); "
+            "cuattn.attention(x, x, x, causal=True); "
+            "cuattn.attention_vjp(x, x, x)[1](x); "
+            "cuattn.multi_head_attention(np.ones((1, 3, 8), np.float32), "
+            "*[np.eye(8, dtype=np.float32)] * 4, num_heads=2); "
+            "print('cupy' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert res.stdout.strip() == "False"
 
 
 def test_bfloat16_is_accepted_and_message_style():
@@ -66,6 +109,18 @@ def test_multi_head_attention_errors():
         cuattn.multi_head_attention(x, w, w, w, w, num_heads=5)
     with pytest.raises(ValueError, match="w_o must have shape"):
         cuattn.multi_head_attention(x, w, w, w, w[:5], num_heads=3)
+    with pytest.raises(TypeError, match="w_q must be a numpy.ndarray"):
+        cuattn.multi_head_attention(x, w.tolist(), w, w, w, num_heads=3)
+    with pytest.raises(TypeError, match="b_k must have the dtype of x"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, b_k=np.ones(12))
+    with pytest.raises(ValueError, match="b_v must have shape"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, b_v=np.ones(11, f32))
+    with pytest.raises(TypeError, match="num_heads must be an int"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3.0)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, causal="no")
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        cuattn.multi_head_attention(np.ones((2, 5, 12), np.int64), w, w, w, w, num_heads=3)
 
 
 def test_mixing_host_and_device_is_a_type_error():
