@@ -1,9 +1,15 @@
 """The NVRTC resource gate: compile kernel instances without a GPU and read ptxas's report.
 
-Used by the tests (``tests/test_gate.py``) and ``python -m cuattn check --gate``. Compiles
-through ``cuda.bindings.nvrtc`` with the options the runtime uses (ours from
-``_kernels.nvrtc_options`` plus the CuPy appends) and returns the registers, spill bytes,
-stack frame and ptxas's log per instance.
+Used by the tests (``tests/test_gate.py``, ``python -m pytest -m gate``) and
+``python -m cuattn check --gate``. Compiles through ``cuda.bindings.nvrtc`` with the options
+the runtime uses (ours from ``_kernels.nvrtc_options`` plus the CuPy appends) and returns the
+registers, spill bytes, stack frame and ptxas's log per instance.
+
+The gate has two tiers (:func:`gate_plan`). A fast instance (no mask, no bias, aligned,
+gradients in place) goes through ptxas for every target architecture, whose report must
+show no spills. Every other instance dispatch can pick is compiled to PTX once, for the
+first target that picks it: that is where a template fails (a static assertion, a missing
+specialisation), at a third of ptxas's cost.
 """
 from __future__ import annotations
 
@@ -63,9 +69,11 @@ def cuda_include_dir() -> str | None:
     return None
 
 
-def compile_instance(filename: str, name_expression: str, arch: str) -> Resources:
+def compile_instance(filename: str, name_expression: str, arch: str,
+                     ptx_only: bool = False) -> Resources:
     """Compile one instance for ``arch`` (e.g. ``sm_90``); raise RuntimeError with the log
-    on a compile error."""
+    on a compile error. ``ptx_only`` stops at PTX (the virtual ``compute_XX`` target):
+    registers and spills are then reported as 0."""
     from cuda.bindings import nvrtc
 
     source = read_source(filename).encode()
@@ -73,7 +81,11 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
     try:
         nvrtc.nvrtcAddNameExpression(prog, name_expression.encode())
-        opts = list(nvrtc_options(arch, filename)) + list(CUPY_APPENDS) + ["-Xptxas=-v"]
+        opts = list(nvrtc_options(arch, filename)) + list(CUPY_APPENDS)
+        if ptx_only:
+            opts = [o.replace("-arch=sm_", "-arch=compute_") for o in opts]
+        else:
+            opts.append("-Xptxas=-v")
         include = cuda_include_dir()
         if include:
             opts.append(f"--include-path={include}")
@@ -84,9 +96,17 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
         log = buf.decode(errors="replace").rstrip("\x00 ")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"{name_expression} ({filename}, {arch}) failed to compile:\n{log}")
+        _, lowered = nvrtc.nvrtcGetLoweredName(prog, name_expression.encode())
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    usage, spill = _USAGE.search(log), _SPILL.search(log)
+    if ptx_only:
+        return Resources(name_expression, arch, 0, 0, 0, 0, log)
+    # a file's plain (non-template) kernels compile into every module: read the report of
+    # this instance's entry function, from its line to the next entry's
+    entry = log.find(f"Compiling entry function '{lowered.decode()}'")
+    end = log.find("Compiling entry function", entry + 1)
+    section = log[entry:end if end >= 0 else len(log)] if entry >= 0 else ""
+    usage, spill = _USAGE.search(section), _SPILL.search(section)
     if usage is None or spill is None:
         raise RuntimeError(f"no ptxas report for {name_expression} ({arch}):\n{log}")
     return Resources(name_expression, arch, int(usage.group(1)), int(spill.group(1)),
@@ -94,20 +114,22 @@ def compile_instance(filename: str, name_expression: str, arch: str) -> Resource
 
 
 def compile_instances(instances, workers: int | None = None) -> list:
-    """:func:`compile_instance` over ``(filename, name_expression, arch)`` triples, one
+    """:func:`compile_instance` over ``(filename, name_expression, arch, ptx_only)``
+    tuples (``ptx_only`` may be left out), one
     process per core (ptxas is single-threaded and the instances are independent). Returns,
     in order, each instance's Resources or the RuntimeError its compile raised. The workers
     are spawned, not forked, so that a parent that has touched the CUDA runtime is safe."""
     workers = min(workers or os.cpu_count() or 1, len(instances))
     if workers <= 1:
         return [_compile_or_error(*i) for i in instances]
+    instances = [tuple(i) + (False,) * (4 - len(i)) for i in instances]
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         return list(pool.map(_compile_or_error, *zip(*instances), chunksize=4))
 
 
-def _compile_or_error(filename: str, name_expression: str, arch: str):
+def _compile_or_error(filename: str, name_expression: str, arch: str, ptx_only: bool = False):
     try:
-        return compile_instance(filename, name_expression, arch)
+        return compile_instance(filename, name_expression, arch, ptx_only)
     except RuntimeError as err:
         return err
 
@@ -119,3 +141,21 @@ def gate_instances(arch: str) -> list[tuple[str, str, bool]]:
     from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
     return ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
             + forward_instances(arch) + backward_instances(arch))
+
+
+def gate_plan(archs=None) -> list[tuple[str, str, str, bool]]:
+    """(arch, filename, name expression, ptx_only) of everything the gate compiles: each
+    fast instance through ptxas for each architecture that picks it, and each other
+    instance to PTX once, for the first architecture in ``archs`` (default: every
+    GATE_TARGETS entry) that picks it."""
+    from ._dispatch import GATE_TARGETS
+    plan, ptx_seen = [], set()
+    for arch in archs or GATE_TARGETS:
+        for filename, expr, fast in gate_instances(arch):
+            if fast:
+                plan.append((arch, filename, expr, False))
+                ptx_seen.add((filename, expr))
+            elif (filename, expr) not in ptx_seen:
+                ptx_seen.add((filename, expr))
+                plan.append((arch, filename, expr, True))
+    return plan

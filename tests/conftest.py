@@ -22,3 +22,11 @@ def pytest_runtest_setup(item):
         if REQUIRE_GPU:
             pytest.fail("CUATTN_REQUIRE_GPU=1 but no GPU is available", pytrace=False)
         pytest.skip("no GPU (set CUATTN_REQUIRE_GPU=1 to make this a failure)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """The NVRTC gate compiles the instances this run selected in one parallel batch."""
+    config.cuattn_gate_selected = tuple(
+        item.callspec.params["inst"] for item in items
+        if getattr(item, "originalname", None) == "test_instance_compiles")

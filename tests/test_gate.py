@@ -1,44 +1,56 @@
-"""The NVRTC resource gate: every kernel instance that dispatch can pick compiles for sm_80
-and sm_90 without a GPU, and the fast ones do not spill, use no stack frame and keep their
-warpgroup MMAs unserialized."""
+"""The NVRTC resource gate (``python -m pytest -m gate``; it needs the ``gate`` extra): every
+kernel instance dispatch can pick, for every head dim from 1 to 256 and every feature flag,
+compiles without a GPU; the fast ones go through ptxas for sm_80, sm_86 and sm_90 and do not
+spill, use no stack frame and keep their warpgroup MMAs unserialized."""
 import functools
 
 import pytest
 
-from cuattn._dispatch import GATE_TARGETS
-from cuattn._gate import compile_instance, compile_instances, gate_instances
+from cuattn._gate import compile_instance, compile_instances, gate_plan
 
-INSTANCES = [(arch, *inst) for arch in GATE_TARGETS for inst in gate_instances(arch)]
+PLAN = gate_plan()
 
 
 @functools.cache
 def _compiled(selected: tuple) -> dict:
-    """The instances this run selected, compiled once, one process per core (CI has two:
-    one at a time took most of CI's time)."""
-    return dict(zip(selected, compile_instances([(f, e, a) for a, f, e, _ in selected])))
+    """The instances this run selected, compiled once, one process per core."""
+    return dict(zip(selected, compile_instances([(f, e, a, p) for a, f, e, p in selected])))
 
 
 @pytest.fixture
 def resources(request):
     """The compile result of each selected instance (a Resources, or the compile error)."""
-    selected = tuple(item.callspec.params.get("inst") for item in request.session.items
-                     if item.originalname == "test_instance_compiles_without_spills")
-    return _compiled(selected)
+    return _compiled(request.config.cuattn_gate_selected)
 
 
-@pytest.mark.parametrize("inst", INSTANCES, ids=[f"{a}-{e}" for a, _, e, _ in INSTANCES])
-def test_instance_compiles_without_spills(inst, resources):
-    arch, filename, expr, fast = inst
+@pytest.mark.gate
+@pytest.mark.parametrize(
+    "inst", PLAN, ids=[f"{a}-{'ptx' if p else 'sass'}-{e}" for a, _, e, p in PLAN])
+def test_instance_compiles(inst, resources):
+    arch, filename, expr, ptx_only = inst
     res = resources[inst]
     if isinstance(res, Exception):
         raise res
-    assert res.registers > 0
-    if fast:
+    if not ptx_only:  # a fast instance
+        assert res.registers > 0
         assert not res.spills, f"{expr} spills on {arch}:\n{res.log}"
         assert res.stack_frame == 0, f"{expr} uses a stack frame on {arch}:\n{res.log}"
         assert not res.wgmma_serialized, f"{expr}: ptxas serialized its wgmma:\n{res.log}"
 
 
+def test_the_gate_covers_every_head_dim():
+    """Every D = Dv from 1 to 256 is among the gate's calls, for every family, so a tile
+    class that cannot compile is caught without a GPU."""
+    from cuattn._dispatch import GATE_HEAD_DIMS
+    assert set(range(1, 257)) <= set(GATE_HEAD_DIMS)
+    exprs = {e for _, _, e, _ in PLAN}
+    # the padded classes of the mma family's 16-bit forward, 129-192 among them
+    for hd in (64, 128, 192, 256):
+        assert any(e.startswith("attention_fwd_mma<__half") and f", {hd}, {hd}, " in e
+                   for e in exprs), hd
+
+
+@pytest.mark.gate
 def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
     import shutil
 
@@ -50,6 +62,8 @@ def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="vector_add.cu"):
         compile_instance("vector_add.cu", "vector_add<float, 4>", "sm_90")
+    with pytest.raises(RuntimeError, match="vector_add.cu"):
+        compile_instance("vector_add.cu", "vector_add<float, 4>", "sm_90", ptx_only=True)
 
 
 def test_wgmma_wrappers_match_their_generator(capsys):
