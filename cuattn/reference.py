@@ -1,16 +1,17 @@
 """float64 NumPy references: the executable specification of cuattn.
 
-Three things live here, all following API.md's semantics and DESIGN.md's names:
+Three things live here, following docs/semantics.rst and the names of
+docs/design/shared.rst:
 
 * :func:`attention_reference` and :func:`attention_backward_reference`: the plain float64
   formulas (every score materialised), which every kernel is compared against;
-* :func:`attention_blocked`: the tiled online-softmax loop that the CUDA kernels run, in
-  NumPy, with the same names (``m``, ``l``, ``acc``, ``alpha``, ``scale_log2``,
-  ``BLOCK_M``, ``BLOCK_N``), so the algorithm can be debugged apart from CUDA; the NumPy
-  backend runs it too;
-* :func:`naive_attention` and :func:`accuracy_bound`: the accuracy rule of DESIGN.md
-  (an implementation may err at most twice as much as plain softmax(q kᵀ) v computed in the
-  input dtype).
+* :func:`attention_blocked` and :func:`attention_backward_blocked`: the tiled loops that
+  the CUDA kernels and the NumPy backend (``cuattn._cpu``, its own faster code) run, written
+  plainly in NumPy with the same names (``m``, ``l``, ``acc``, ``alpha``, ``scale_log2``,
+  ``BLOCK_M``, ``BLOCK_N``), so the algorithm can be debugged apart from CUDA;
+* :func:`naive_attention` and :func:`accuracy_bound`: the accuracy rule of
+  docs/semantics.rst (an implementation may err at most twice as much as plain
+  softmax(q kᵀ) v computed in the input dtype).
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def _host(x):
     return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x
 
 
+def _block(x, rows: slice, cols: slice):
+    """``x[..., rows, cols]`` for a mask or bias that broadcasts to (..., Sq, Sk): a size-1
+    axis is kept whole (slicing it with a later block would leave nothing)."""
+    return x[..., rows if x.shape[-2] != 1 else slice(None),
+             cols if x.shape[-1] != 1 else slice(None)]
+
+
 def allowed_keys(call: AttentionCall, rows: slice, cols: slice, mask=None):
     """Bool array, broadcastable to (batch..., rows, cols): may query row i attend to key j?
 
@@ -45,17 +53,18 @@ def allowed_keys(call: AttentionCall, rows: slice, cols: slice, mask=None):
     if call.window_right >= 0:
         ok &= j <= center + call.window_right
     if mask is not None:
-        ok = ok & _host(mask)[..., rows, cols]
+        ok = ok & _block(_host(mask), rows, cols)
     return ok
 
 
 def _scores(call: AttentionCall, q, k, bias, rows: slice, cols: slice):
-    """Scores in natural units: scale * q kᵀ, then softcap, then bias (API.md steps 1-3)."""
+    """Scores in natural units: scale * q kᵀ, then softcap, then bias (docs/semantics.rst,
+    steps 1-3)."""
     s = call.scale * (q @ np.swapaxes(k, -1, -2))
     if call.softcap:
         s = call.softcap * np.tanh(s / call.softcap)
     if bias is not None:
-        s = s + _host(bias)[..., rows, cols].astype(s.dtype)
+        s = s + _block(_host(bias), rows, cols).astype(s.dtype)
     return s
 
 
@@ -72,7 +81,8 @@ def _prepare(q, k, v, mask, bias, kwargs):
 def _dense_probabilities(call, q, k, mask, bias):
     rows, cols = slice(0, call.seqlen_q), slice(0, call.seqlen_k)
     s = _scores(call, q, k, bias, rows, cols)
-    allowed = np.broadcast_to(allowed_keys(call, rows, cols, mask), s.shape)
+    allowed = np.broadcast_to(allowed_keys(call, rows, cols, mask),
+                              call.batch_shape + (call.seqlen_q, call.seqlen_k))
     s = np.where(allowed, s, -np.inf)
     if call.seqlen_k:
         s_max = s.max(axis=-1, keepdims=True)
@@ -178,7 +188,7 @@ def attention_blocked(call: AttentionCall, *, acc_dtype, block_m: int = 64, bloc
             else:
                 s = qk * scale_log2
             if call.bias is not None:
-                s = s + call.bias[..., rows, cols].astype(acc_dtype) * LOG2E
+                s = s + _block(call.bias, rows, cols).astype(acc_dtype) * LOG2E
             s = np.where(allowed_keys(call, rows, cols, call.mask), s, -np.inf).astype(acc_dtype)
             m_new = np.maximum(m, s.max(axis=-1))
             m_use = np.where(np.isneginf(m_new), 0, m_new)  # all masked so far: exp2 -> 0
@@ -236,7 +246,7 @@ def attention_backward_blocked(call: AttentionCall, dout, out, lse, *, acc_dtype
                 t = np.tanh(s / call.softcap)
                 s = call.softcap * t
             if call.bias is not None:
-                s = s + call.bias[..., rows, cols].astype(acc_dtype)
+                s = s + _block(call.bias, rows, cols).astype(acc_dtype)
             allowed = allowed_keys(call, rows, cols, call.mask)
             with np.errstate(invalid="ignore", over="ignore"):
                 # a row with no allowed key has lse = -inf and contributes nothing
@@ -329,8 +339,9 @@ def naive_attention(q, k, v, *, mask=None, bias=None, **kwargs):
 
 
 def accuracy_bound(naive, ref64) -> float:
-    """DESIGN.md's rule: an implementation passes when ``max|out - ref64| <= bound`` with
-    ``bound = 2 * max|naive - ref64| + 1e-6`` (use 3× for gradients)."""
+    """The accuracy rule of docs/semantics.rst: an implementation passes when
+    ``max|out - ref64| <= bound`` with ``bound = 2 * max|naive - ref64| + 1e-6`` (use 3×
+    for gradients)."""
     naive = np.asarray(naive, dtype=np.float64)
     finite = np.isfinite(ref64)
     if not finite.any():

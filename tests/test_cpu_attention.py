@@ -1,4 +1,11 @@
 """The NumPy backend against the float64 reference, every feature, with the accuracy rule."""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -8,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuattn
+from cuattn import _cpu
+from cuattn._checks import check_attention
 from cuattn.reference import attention_reference, naive_attention
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
@@ -106,3 +115,72 @@ def test_property_random_shapes_strides_features(data):
     out = cuattn.attention(q, k, v, **kw)
     ref, _ = attention_reference(q, k, v, **kw)
     assert_accurate(out, ref, naive_attention(q, k, v, **kw))
+
+
+def test_one_tile_and_many_tiles_agree_with_the_reference():
+    """float32 with the default tiles (this call is one tile) and with forced tiles of every
+    kind of edge (partial tiles, tiles wholly inside or outside the band, masked rows)."""
+    rng = np.random.default_rng(7)
+    q, k, v = _inputs(rng, np.float32, sq=150, sk=200)
+    kw = {"mask": rng.random((2, 1, 1, 200)) > 0.2, "causal": True, "window": (90, None),
+          "bias": rng.standard_normal((1, 3, 150, 1)).astype(np.float32)}
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    naive = naive_attention(q, k, v, **kw)
+    call = check_attention(q, k, v, return_lse=True, **kw)
+    outs = []
+    for block_m, block_n in [(None, None), (64, 48), (7, 5), (150, 1), (1, 200)]:
+        out, lse = _cpu.attention_forward(call, block_m=block_m, block_n=block_n)
+        assert_accurate(out, ref, naive, what=f"out with tiles {block_m} x {block_n}")
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_groups_and_strided_out(monkeypatch):
+    """A batch cut into groups (slices of one batch axis), written into a strided ``out``."""
+    monkeypatch.setattr(_cpu, "_WHOLE", 4000)  # 37 x 45 scores: two batch entries a group
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, np.float32, batch=(3, 5))
+    kw = {"mask": rng.random((3, 1, 37, 1)) > 0.1, "softcap": 4.0}
+    big = poison(np.empty((3, 5, 37, 32), np.float32))
+    out = big[..., ::2]
+    got = cuattn.attention(q, k, v, out=out, **kw)
+    assert got is out and np.isnan(big[..., 1::2]).all()
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert_accurate(got, ref, naive_attention(q, k, v, **kw))
+
+
+def test_numpy_backend_does_not_use_the_reference():
+    """The float64 oracle stays off the production path: ``cuattn._cpu`` imports nothing
+    from ``cuattn.reference`` and runs with that module made unimportable."""
+    source = Path(_cpu.__file__).read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        assert not any("reference" in n for n in names), ast.dump(node)
+    script = textwrap.dedent("""
+        import importlib, sys
+        import numpy as np
+        import cuattn, cuattn._cpu
+        from cuattn._checks import check_attention
+        vars(cuattn).pop("reference", None)
+        sys.modules["cuattn.reference"] = None  # any import of it now fails
+        cpu = importlib.reload(cuattn._cpu)
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((2, 40, 8)).astype(np.float32) for _ in range(3))
+        call = check_attention(q, k, v, causal=True, return_lse=True)
+        out, lse = cpu.attention_forward(call, block_m=16, block_n=16)
+        grads = cpu.attention_backward(call, np.ones_like(out), out, lse)
+        assert all(np.isfinite(g).all() for g in grads)
+        print("ok")
+    """)
+    root = Path(cuattn.__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

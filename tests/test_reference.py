@@ -4,7 +4,12 @@ import pytest
 from scipy.special import logsumexp, softmax
 
 from cuattn._checks import check_attention
-from cuattn.reference import attention_backward_reference, attention_blocked, attention_reference
+from cuattn.reference import (
+    attention_backward_blocked,
+    attention_backward_reference,
+    attention_blocked,
+    attention_reference,
+)
 
 rng = np.random.default_rng(1)
 
@@ -92,3 +97,44 @@ def test_backward_matches_finite_differences(kw):
             args[which][idx] -= 2 * eps
             num[idx] = (plus - loss(*args)) / (2 * eps)
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-7)
+
+
+MASK_BIAS_SHAPES = [((2, 1, 1, 29), (1, 1, 37, 1)), ((37, 1), (2, 3, 1, 29)),
+                    ((1, 3, 37, 1), (29,)), ((2, 3, 1, 1), (3, 1, 1))]
+
+
+@pytest.mark.parametrize("mask_shape,bias_shape", MASK_BIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "softcap": 0.8}, {"window": (4, 2)}])
+def test_blocked_loops_with_size_one_mask_and_bias_axes(mask_shape, bias_shape, kw):
+    """Size-1 axes of a mask or bias are broadcast, not sliced, by the blocked loops, across
+    query and key blocks beyond the first."""
+    q, k, v = _rand(2, 1, 37, 6), _rand(2, 3, 29, 6), _rand(1, 3, 29, 5)
+    mask = rng.random(mask_shape) > 0.2
+    bias = _rand(*bias_shape)
+    call = check_attention(q, k, v, mask=mask, bias=bias, **kw)
+    out, lse = attention_blocked(call, acc_dtype=np.float64, block_m=16, block_n=8)
+    ref_out, ref_lse = attention_reference(q, k, v, mask=mask, bias=bias, **kw)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-12)
+    dout = _rand(*out.shape)
+    grads = attention_backward_blocked(call, dout, out, lse, acc_dtype=np.float64,
+                                       block_m=16, block_n=8)
+    want = attention_backward_reference(dout, q, k, v, mask=mask, bias=bias, **kw)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_mask_with_more_batch_axes_than_q_and_k():
+    q, k, v = _rand(5, 4), _rand(6, 4), _rand(6, 3)
+    mask = rng.random((2, 3, 5, 6)) > 0.3
+    out, lse = attention_reference(q, k, v, mask=mask)
+    assert out.shape == (2, 3, 5, 3) and lse.shape == (2, 3, 5)
+    for idx in np.ndindex(2, 3):
+        o, l_ = attention_reference(q, k, v, mask=mask[idx])
+        np.testing.assert_allclose(out[idx], o, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(l_, lse[idx], rtol=1e-12)
+    dout = _rand(2, 3, 5, 3)
+    dq, dk, dv = attention_backward_reference(dout, q, k, v, mask=mask)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
