@@ -11,5 +11,5 @@ extensions = ["sphinx.ext.autodoc", "numpydoc"]
 numpydoc_show_class_members = False
 numpydoc_validation_checks = set()
 autodoc_mock_imports = ["cupy"]
-exclude_patterns = ["_build", "benchmarks"]
+exclude_patterns = ["_build"]
 html_theme = "alabaster"

@@ -1,4 +1,5 @@
-"""The one accuracy helper of the test suite (DESIGN.md's rule, from cuattn.reference)."""
+"""The one accuracy helper of the test suite (the accuracy rule of docs/semantics.rst, from
+cuattn.reference)."""
 import numpy as np
 
 from cuattn.reference import accuracy_bound

@@ -1,5 +1,5 @@
 """The bench's case tables, without a GPU: every case of a suite has its own label, the
-label names what the case measures, and the FLOP count follows PERF.md."""
+label names what the case measures, and the FLOP count follows FlashAttention's convention."""
 import pytest
 
 from cuattn.bench import SUITES, Case
