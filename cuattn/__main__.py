@@ -136,6 +136,8 @@ def cmd_bench(args) -> int:
                         direction=args.direction, max_seqlen=args.max_seqlen,
                         match=args.match or (), backward_kernel=args.backward_kernel)
     print(bench._format(results))
+    if args.report:
+        print(f"performance page: {bench.write_report(results, args.report)}")
     return 0
 
 
@@ -147,7 +149,11 @@ def cmd_check(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuattn", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m cuattn",
+        description="cuattn's command line: versions and dispatch (info), the ViT demo "
+                    "(demo), benchmarks against the peers (bench), and the kernel checks "
+                    "(check).")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU, kernel sources, dispatch").set_defaults(fn=cmd_info)
     sub.add_parser("demo", help="ViT self-attention end to end, checked and timed"
@@ -164,6 +170,9 @@ def main(argv=None) -> int:
                         "sm90_3xf16); the forward is dispatched as usual")
     b.add_argument("--json", default="cuattn-bench.json", help="write results here")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
+    b.add_argument("--report", metavar="DIR",
+                   help="write the performance page (performance.rst and its plots) into DIR, "
+                        "e.g. docs")
     b.set_defaults(fn=cmd_bench)
     c = sub.add_parser("check", help="correctness matrix of the GPU kernels "
                                      "(honours CUATTN_KERNEL_DIR)")
