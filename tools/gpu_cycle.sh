@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The check of a kernel or dispatch change on a GPU machine, from the source tree:
+#   tools/gpu_cycle.sh LOGDIR tests [PYTEST ARGS...]   the GPU tests (CUATTN_REQUIRE_GPU=1)
+#   tools/gpu_cycle.sh LOGDIR sanitize [ARGS...]       tools/sanitize.py (compute-sanitizer)
+#   tools/gpu_cycle.sh LOGDIR bench [ARGS...]          python -m cuattn bench
+# Each stage writes its full log to LOGDIR and prints its last lines; the exit status is the
+# stage's. Workers for the tests: one per core (pytest-xdist), each with its own kernel cache
+# in the shared CUPY_CACHE_DIR.
+set -uo pipefail
+logdir=$1; stage=$2; shift 2
+mkdir -p "$logdir"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUATTN_REQUIRE_GPU=1
+case $stage in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
+      | tee "$logdir/tests.log" | tail -25 ;;
+  sanitize)
+    python3 tools/sanitize.py --log-dir "$logdir" "$@" 2>&1 | tee "$logdir/sanitize.log" \
+      | tail -15 ;;
+  bench)
+    python3 -m cuattn bench --json "$logdir/bench.json" --plot "$logdir/bench.png" "$@" 2>&1 \
+      | tee "$logdir/bench.log" | tail -40 ;;
+  *) echo "unknown stage $stage: tests, sanitize or bench" >&2; exit 2 ;;
+esac

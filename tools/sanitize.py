@@ -1,0 +1,155 @@
+"""compute-sanitizer over small cases of every kernel family: memcheck, racecheck, initcheck
+and synccheck, one error summary per tool.
+
+    PYTHONPATH=. python tools/sanitize.py                  # all four tools, every family
+    PYTHONPATH=. python tools/sanitize.py --tool synccheck --family sm90_3xf16
+
+The driver runs this file again under ``compute-sanitizer --tool T`` with ``--cases``: that
+child runs the forward and the backward of every family the GPU's dispatch tables serve,
+each forced in turn (as the tests force them), on small ragged shapes, plain and with a
+mask, a bias and causal, with CuPy's memory pool disabled so that every allocation is
+exact and an out-of-bounds access is not hidden inside a pooled block. Every result is
+checked for NaN (all inputs are finite), so a case that the sanitizer lets through but
+computes garbage fails too. Exit status 1 when any tool reports an error or a case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+#: (Sq, Sk, D, Dv): one tile and a ragged edge, a head dim per padded class
+SHAPES = ((70, 130, 64, 64), (33, 65, 128, 128), (40, 24, 256, 256), (17, 90, 96, 40))
+#: a query length that takes the prepared-operand (piped) forms of the float32 families
+LONG = (2048, 160, 64, 64)
+
+
+def _cases(families=None):
+    """(family, direction, dtype name, precision, shape, features) of every case the GPU
+    serves, each family forced in turn."""
+    import cupy
+
+    from cuattn._dispatch import BACKWARD_FAMILIES, FAMILIES
+
+    digits = cupy.cuda.Device().compute_capability  # e.g. "90"
+    cc = (int(digits[:-1]), int(digits[-1]))
+    out = []
+    for direction, table in (("fwd", FAMILIES), ("bwd", BACKWARD_FAMILIES)):
+        for fam in table:
+            if not fam.serves(cc) or (families and fam.name not in families):
+                continue
+            for name in fam.dtypes:
+                precisions = fam.precisions or (("highest",) if name == "float32" else (None,))
+                for precision in precisions:
+                    shapes = [s for s in SHAPES if max(s[2:]) <= fam.max_head_dim]
+                    if name == "float32" and direction == "fwd":
+                        shapes.append(LONG)
+                    for shape in shapes:
+                        for features in ("plain", "masked"):
+                            out.append((fam.name, direction, name, precision, shape, features))
+    return out
+
+
+def _run_case(family, direction, name, precision, shape, features, rng):
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    from cuattn.attention import _attention, _attention_backward
+
+    dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+    sq, sk, d, dv = shape
+    q = cupy.asarray(rng.standard_normal((1, 2, sq, d)).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((1, 2, sk, d)).astype(dtype))
+    v = cupy.asarray(rng.standard_normal((1, 2, sk, dv)).astype(dtype))
+    kw = {} if precision is None else {"precision": precision}
+    if features == "masked":
+        kw["mask"] = cupy.asarray(rng.random((1, 1, sq, sk)) > 0.2)
+        bias_dtype = dtype if np.dtype(dtype).itemsize == 2 else np.float32
+        kw["bias"] = cupy.asarray(rng.standard_normal((sq, sk)).astype(bias_dtype))
+        kw["causal"] = True
+    if direction == "fwd":
+        out, lse = _attention(q, k, v, kernel=family, return_lse=True, **kw)
+        results = [out]
+    else:
+        out, lse = _attention(q, k, v, return_lse=True, **kw)
+        dout = cupy.asarray(rng.standard_normal(out.shape).astype(dtype))
+        results = list(_attention_backward(dout, q, k, v, out, lse, kernel=family, **kw))
+    cupy.cuda.get_current_stream().synchronize()
+    return all(not bool(cupy.isnan(r.astype(cupy.float32)).any()) for r in results)
+
+
+def run_cases(families=None) -> int:
+    """The child: every case once, CuPy's memory pool off; 1 if any case failed."""
+    import cupy
+    import numpy as np
+
+    cupy.cuda.set_allocator(None)
+    cupy.cuda.set_pinned_memory_allocator(None)
+    rng = np.random.default_rng(0)
+    failed = 0
+    cases = _cases(families)
+    for case in cases:
+        try:
+            ok = _run_case(*case, rng)
+        except Exception as err:  # noqa: BLE001 - report every failing case, then fail
+            ok = False
+            print(f"case {case}: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
+        if not ok:
+            failed += 1
+            print(f"FAILED case {case}", flush=True)
+    print(f"{len(cases)} cases, {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+_CASES = re.compile(r"(\d+) cases, (\d+) failed")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tool", action="append", choices=TOOLS,
+                        help="a sanitizer tool (repeatable; default: all four)")
+    parser.add_argument("--family", action="append", help="only this family (repeatable)")
+    parser.add_argument("--log-dir", default=None, help="write each tool's full log here")
+    parser.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cases:
+        return run_cases(args.family)
+
+    rows, status = [], 0
+    for tool in args.tool or TOOLS:
+        cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "20"]
+        if tool == "racecheck":
+            cmd += ["--racecheck-report", "all"]
+        cmd += [sys.executable, os.path.abspath(__file__), "--cases"]
+        for fam in args.family or ():
+            cmd += ["--family", fam]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        log = res.stdout + res.stderr
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+            with open(os.path.join(args.log_dir, f"sanitize-{tool}.log"), "w") as f:
+                f.write(log)
+        summary, cases = _SUMMARY.findall(log), _CASES.findall(log)
+        errors = int(summary[-1]) if summary else -1
+        n_cases, n_failed = (int(c) for c in cases[-1]) if cases else (-1, -1)
+        bad = errors != 0 or n_failed != 0 or res.returncode != 0
+        status |= bad
+        rows.append((tool, errors, n_cases, n_failed, res.returncode, seconds))
+        if bad:
+            print("\n".join(log.splitlines()[-60:]), file=sys.stderr)
+    print(f"{'tool':10s} {'errors':>6s} {'cases':>6s} {'failed':>6s} {'rc':>3s} {'s':>6s}")
+    for tool, errors, n, failed, rc, seconds in rows:
+        print(f"{tool:10s} {errors:6d} {n:6d} {failed:6d} {rc:3d} {seconds:6.0f}")
+    return 1 if status else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
