@@ -1057,8 +1057,9 @@ def _float32_precisions(name: str):
 
 def forward_instances(arch: str):
     """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
-    forced in turn as the tests do, for the NVRTC gate (see :func:`_gate_calls`). Instances
-    without mask and bias (and aligned) are the fast path: they must not spill."""
+    forced in turn as the tests do, for the NVRTC gate (see :func:`_gate_calls`). Fast:
+    without mask and bias, aligned, and dispatch's own pick (not only a forced family's):
+    these must not spill."""
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in FAMILIES:
@@ -1068,6 +1069,10 @@ def forward_instances(arch: str):
                              family.name, None, precision)
             if choice is None:
                 continue
+            # fast where dispatch itself picks it; a family reached only by forcing it
+            # (the tests) must compile, and its speed there is not the product's
+            fast = fast and choice == _choose(dtype, d, dv, bias_dtype, has_mask, aligned,
+                                              cc, limit, None, None, precision)
             variants = [choice]
             if choice.prepared is not None:  # and its preparation kernels
                 variants.append(choice.prepared)
@@ -1092,7 +1097,7 @@ def backward_instances(arch: str):
     """Every (filename, name expression, fast) of the backward that dispatch picks on
     ``arch``, each family forced in turn, for the NVRTC gate (see :func:`_gate_calls`), with
     either gradient storage (the input dtype, or the accumulator type for broadcast
-    inputs). Fast: no bias, no mask, gradients in place, aligned."""
+    inputs). Fast: no bias, no mask, gradients in place, aligned, dispatch's own pick."""
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in BACKWARD_FAMILIES:
@@ -1104,9 +1109,12 @@ def backward_instances(arch: str):
                                           cc, limit, family.name, None, precision)
                 if choice is None:  # the family does not serve arch
                     continue
+                picked = choice == _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads,
+                                                    aligned, cc, limit, None, None, precision)
                 for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
                     if expr is None:  # no magnitudes kernel
                         continue
                     key = (choice.filename, expr)
-                    seen[key] = seen.get(key, False) or (fast and grads[0] == dtype)
+                    seen[key] = seen.get(key, False) or (fast and picked
+                                                          and grads[0] == dtype)
     return [(f, e, fast) for (f, e), fast in seen.items()]
