@@ -26,28 +26,27 @@ def _readme_blocks(kind):
     return [body for k, body in pattern.findall(text) if k == kind]
 
 
-@pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="not a source checkout")
-def test_readme_numpy_example_runs():
-    blocks = _readme_blocks("numpy")
-    assert blocks, "README.md has no NumPy example marked <!-- doctest: numpy -->"
+def _run_readme_blocks(kind):
+    """Run the README's blocks of ``kind`` as doctests; every one must pass."""
+    blocks = _readme_blocks(kind)
+    assert blocks, f"README.md has no example marked <!-- doctest: {kind} -->"
     parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(
         optionflags=doctest.NORMALIZE_WHITESPACE)
     for i, body in enumerate(blocks):
-        test = parser.get_doctest(body, {}, f"README.md numpy example {i}", "README.md", 0)
+        test = parser.get_doctest(body, {}, f"README.md {kind} example {i}", "README.md", 0)
         assert test.examples, "the README example has no >>> lines"
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
 
 
+@pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="not a source checkout")
+def test_readme_numpy_example_runs():
+    _run_readme_blocks("numpy")
+
+
 @pytest.mark.gpu
 def test_readme_cupy_example_runs():
-    blocks = _readme_blocks("cupy")
-    assert blocks, "README.md has no CuPy example marked <!-- doctest: cupy -->"
-    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(
-        optionflags=doctest.NORMALIZE_WHITESPACE)
-    for i, body in enumerate(blocks):
-        runner.run(parser.get_doctest(body, {}, f"README.md cupy example {i}", "README.md", 0))
-    assert runner.summarize(verbose=False).failed == 0
+    _run_readme_blocks("cupy")
 
 
 @pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="not a source checkout")
