@@ -89,6 +89,11 @@ def run_gate(arch: str = "sm_90", match: tuple[str, ...] = ()) -> int:
     if arch not in GATE_TARGETS:
         print(f"unknown architecture {arch!r}; one of {', '.join(GATE_TARGETS)}")
         return 2
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401 - the gate compiles through it
+    except ImportError:
+        print("check --gate needs NVRTC's Python bindings: pip install \"cuattn[gate]\"")
+        return 2
     instances = [i for i in gate_instances(arch) if all(w in f"{i[0]} {i[1]}" for w in match)]
     print(f"{'regs':>4s} {'stack':>5s} {'spill st/ld':>11s} {'wgmma':>10s}  fast  "
           f"instance ({arch})")

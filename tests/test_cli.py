@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "cuattn", *args], capture_output=True,
@@ -20,6 +22,7 @@ def test_demo_checks_against_float64():
     assert "197 tokens" in res.stdout and " ok" in res.stdout
 
 
+@pytest.mark.gate  # needs the gate extra (NVRTC's Python bindings)
 def test_check_gate_compiles_without_a_gpu():
     res = _run("check", "--gate", "--arch", "sm_90", "--match", "attention_bwd_delta<__half>",
                "--match", "attention_backward_sm90.cu")
@@ -30,3 +33,15 @@ def test_check_gate_compiles_without_a_gpu():
     assert "1 instances, 0 fast ones not clean" in res.stdout
     res = _run("check", "--gate", "--arch", "sm_75")
     assert res.returncode == 2 and "unknown architecture" in res.stdout
+
+
+def test_check_gate_without_nvrtc_bindings_says_what_to_install():
+    # hide cuda.bindings, as on a machine with only the base install
+    code = ("import sys; sys.modules['cuda.bindings'] = None; "
+            "from cuattn.__main__ import main; "
+            "sys.exit(main(['check', '--gate', '--arch', 'sm_90']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert 'pip install "cuattn[gate]"' in res.stdout
+    assert "Traceback" not in res.stderr
