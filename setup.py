@@ -40,8 +40,8 @@ setup(
         # the NVRTC resource gate (pytest -m gate) compiles with the NVRTC minor version of
         # the GPU machines (13.0), so that its register and spill counts are theirs; install
         # it apart from the cuda13 extra, whose toolkit wheels are newer
-        "gate": ["pytest>=7", "cuda-bindings>=13.0,<13.1", "nvidia-cuda-nvrtc==13.0.*",
-                 "nvidia-cuda-runtime==13.0.*"],
+        "gate": ["pytest>=7", "hypothesis>=6", "scipy>=1.10", "cuda-bindings>=13.0,<13.1",
+                 "nvidia-cuda-nvrtc==13.0.*", "nvidia-cuda-runtime==13.0.*"],
         "docs": ["sphinx>=7", "numpydoc>=1.6"],
         "bench": ["matplotlib"],
     },
