@@ -28,7 +28,7 @@ def cmd_info(args) -> int:
     from cuattn._checks import check_attention
     from cuattn._dispatch import backward_kernels, forward_kernel
     from cuattn._kernels import kernel_dir
-    from cuattn.attention import _device_limits
+    from cuattn._launch import device_limits
     print(f"cuattn {cuattn.__version__}  numpy {np.__version__}  ml_dtypes {ml_dtypes.__version__}"
           f"  python {sys.version.split()[0]}")
     print(f"kernel sources: {kernel_dir()}"
@@ -46,7 +46,7 @@ def cmd_info(args) -> int:
           f"{dev.attributes['MultiProcessorCount']} SMs  "
           f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B shared memory per block (opt-in)")
     print(f"kernel cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
-    capability, smem = _device_limits(dev.id)
+    capability, smem = device_limits(dev.id)
     print("dispatch (forward, then backward dK/dV) for contiguous (1, D) inputs:")
     for dtype, precision in (("float16", None), ("bfloat16", None), ("float32", None),
                              ("float32", "tf32"), ("float64", None)):

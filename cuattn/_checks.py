@@ -17,7 +17,8 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
-           "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy"]
+           "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
+           "sum_to_shape"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -318,3 +319,11 @@ def check_backward(call: AttentionCall, dout, out, lse):
                              f"device {_device_id(call.q, call.xp)}")
         converted.append(x)
     return tuple(converted)
+
+
+def sum_to_shape(grad, shape):
+    """Sum ``grad`` over the axes along which an input of ``shape`` was broadcast."""
+    extra = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(extra))) if extra else grad
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad

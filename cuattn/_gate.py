@@ -13,12 +13,15 @@ specialisation), at a third of ptxas's cost.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+
+import numpy as np
 
 from ._kernels import nvrtc_options, read_source
 
@@ -134,10 +137,113 @@ def _compile_or_error(filename: str, name_expression: str, arch: str, ptx_only: 
         return err
 
 
+#: (compute capability, opt-in shared memory per block) of the GPUs the gate compiles for:
+#: A100, the 99 KB parts of Ampere/Ada (which take the fallback tiles), H100/H200
+GATE_TARGETS = {"sm_80": ((8, 0), 166912), "sm_86": ((8, 6), 101376),
+                "sm_90": ((9, 0), 232448)}
+
+#: Head dims the gate enumerates: every D (= Dv) from 1 to 256, each dispatch's padding and
+#: tile rows crossed, and the portable kernel's wider classes. D != Dv pairs take the
+#: boundaries of every padding class (multiples of 16, 32 and 64 and one past them).
+GATE_HEAD_DIMS = tuple(range(1, 257)) + (257, 384, 512, 513, 1024)
+GATE_PAIR_DIMS = (1, 16, 17, 32, 33, 48, 64, 65, 96, 97, 128, 129, 160, 192, 193, 224, 256)
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _precisions(name: str):
+    return ("highest", "tf32") if name == "float32" else (None,)
+
+
+def gate_calls(family):
+    """(dtype, head_dim, head_dim_v, bias dtype, mask, aligned, precision, fast) of the gate's
+    calls for ``family`` (a dispatch table row): every feature combination at every D = Dv
+    of GATE_HEAD_DIMS, and every D != Dv pair of GATE_PAIR_DIMS without mask or bias (the
+    head dims and the features are independent template arguments)."""
+    aligned_both = (family.name.startswith(("mma", "sm90"))
+                    or any(n in ("float32", "float64") for n in family.dtypes))
+    for name in family.dtypes:
+        dtype = _np_dtype(name)
+        heads = [(d, d) for d in GATE_HEAD_DIMS if d <= family.max_head_dim]
+        pairs = [(d, dv) for d, dv in itertools.product(GATE_PAIR_DIMS, repeat=2)
+                 if d != dv and max(d, dv) <= family.max_head_dim]
+        for (d, dv), bias, has_mask, aligned, precision in itertools.product(
+                heads, (None, name, "float32"), (False, True),
+                (True, False) if aligned_both else (True,), _precisions(name)):
+            bias_dtype = bias and _np_dtype(bias)
+            yield dtype, d, dv, bias_dtype, has_mask, aligned, precision, \
+                bias is None and not has_mask and aligned
+        for (d, dv), aligned, precision in itertools.product(
+                pairs, (True, False) if aligned_both else (True,), _precisions(name)):
+            yield dtype, d, dv, None, False, aligned, precision, aligned
+
+
+def forward_instances(arch: str):
+    """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
+    forced in turn as the tests do (see :func:`gate_calls`). Fast: without mask and bias,
+    aligned, and dispatch's own pick (not only a forced family's): these must not spill."""
+    from ._dispatch import FAMILIES, _choose
+    from .families.sm90_tf32 import PREPARATIONS
+    cc, limit = GATE_TARGETS[arch]
+    seen = {}
+    for family in FAMILIES:
+        for dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast in gate_calls(family):
+            choice = _choose(dtype, d, dv, bias_dtype, has_mask, aligned, cc, limit,
+                             family.name, None, precision)
+            if choice is None:
+                continue
+            # fast where dispatch itself picks it; a family reached only by forcing it
+            # (the tests) must compile, and its speed there is not the product's
+            fast = fast and choice == _choose(dtype, d, dv, bias_dtype, has_mask, aligned,
+                                              cc, limit, None, None, precision)
+            variants = [choice]
+            if choice.prepared is not None:  # and its preparation kernels
+                variants.append(choice.prepared)
+                for kernel in PREPARATIONS:
+                    seen[(choice.filename, kernel)] = True
+            if choice.magnitudes is not None:
+                seen[(choice.filename, choice.magnitudes)] = True
+            for c in variants:
+                key = (c.filename, c.name_expression)
+                seen[key] = seen.get(key, False) or fast
+    return [(f, e, fast) for (f, e), fast in seen.items()]
+
+
+def backward_instances(arch: str):
+    """Every (filename, name expression, fast) of the backward that dispatch picks on
+    ``arch``, each family forced in turn (see :func:`gate_calls`), with either gradient
+    storage (the input dtype, or the accumulator type for broadcast inputs). Fast: no bias,
+    no mask, gradients in place, aligned, dispatch's own pick."""
+    from ._dispatch import BACKWARD_FAMILIES, _choose_backward
+    cc, limit = GATE_TARGETS[arch]
+    seen = {}
+    for family in BACKWARD_FAMILIES:
+        for dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast in gate_calls(family):
+            acc = np.dtype("float64" if dtype == np.float64 else "float32")
+            for grads in ((dtype, dtype), (acc, acc)):
+                choice = _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads, aligned,
+                                          cc, limit, family.name, None, precision)
+                if choice is None:  # the family does not serve arch
+                    continue
+                picked = choice == _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads,
+                                                    aligned, cc, limit, None, None, precision)
+                for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
+                    if expr is None:  # no magnitudes kernel
+                        continue
+                    key = (choice.filename, expr)
+                    seen[key] = seen.get(key, False) or (fast and picked
+                                                          and grads[0] == dtype)
+    return [(f, e, fast) for (f, e), fast in seen.items()]
+
+
 def gate_instances(arch: str) -> list[tuple[str, str, bool]]:
     """(filename, name expression, fast) of every instance the gate compiles for ``arch``:
     vector_add's, and every forward and backward instance dispatch can pick."""
-    from ._dispatch import backward_instances, forward_instances
     from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
     return ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
             + forward_instances(arch) + backward_instances(arch))
@@ -148,7 +254,6 @@ def gate_plan(archs=None) -> list[tuple[str, str, str, bool]]:
     fast instance through ptxas for each architecture that picks it, and each other
     instance to PTX once, for the first architecture in ``archs`` (default: every
     GATE_TARGETS entry) that picks it."""
-    from ._dispatch import GATE_TARGETS
     plan, ptx_seen = [], set()
     for arch in archs or GATE_TARGETS:
         for filename, expr, fast in gate_instances(arch):

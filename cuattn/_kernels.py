@@ -16,16 +16,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-import struct
 import threading
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
-           "ATTN_PARAMS_DTYPE", "attn_params", "attn_params_tail", "ATTN_BWD_PARAMS_DTYPE",
-           "pack_attn_bwd_params", "TF32_PREP_DTYPE", "c_type_name", "require_cupy",
-           "KeptLaunch", "ForwardLaunch", "Tf32PrepLaunch"]
+           "c_type_name", "require_cupy"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
@@ -173,126 +170,3 @@ _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 def c_type_name(dtype) -> str:
     """The CUDA C++ type of a NumPy dtype, as the kernels' templates spell it."""
     return _C_TYPES[np.dtype(dtype).name]
-
-
-_STRIDES = [(f, np.int64) for f in ("b0", "b1", "b2", "row", "col")]
-_STRIDES_DTYPE = np.dtype(_STRIDES)
-#: The parameter block of the attention kernels, field for field ``AttnParams`` in
-#: ``cuda/common.cuh``. All fields are 8 bytes wide, so no padding rule can differ.
-ATTN_PARAMS_DTYPE = np.dtype(
-    [(f, np.int64) for f in ("q", "k", "v", "out", "lse", "mask", "bias", "batch1", "batch2",
-                             "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "window_left",
-                             "window_right", "num_m_blocks", "num_dv_tiles")]
-    + [("scale", np.float64), ("softcap", np.float64)]
-    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("q", "k", "v", "out", "lse", "mask", "bias")]
-    + [("magnitudes", np.int64)],
-    align=True)
-_POINTERS_STRUCT = struct.Struct("<7q")
-_PARAMS_TAIL_STRUCT = struct.Struct("<10q2d35qq")
-#: byte offset of the magnitudes field (the last), which a ForwardLaunch may write per call
-_MAGNITUDES_OFFSET = ATTN_PARAMS_DTYPE.fields["magnitudes"][1]
-_MAGNITUDES_STRUCT = struct.Struct("<q")
-assert _POINTERS_STRUCT.size + _PARAMS_TAIL_STRUCT.size == ATTN_PARAMS_DTYPE.itemsize
-
-
-def attn_params_tail(ints: list[int], scale: float, softcap: float, strides: list[int],
-                     magnitudes: int = 0) -> bytes:
-    """The AttnParams block after its seven pointers, packed: ``ints`` are the ten integer
-    fields batch1 .. num_dv_tiles, ``magnitudes`` the last field. A call signature's launch
-    plan keeps these bytes, and each call adds its pointers (:func:`attn_params`)."""
-    return _PARAMS_TAIL_STRUCT.pack(*ints, scale, softcap, *strides, magnitudes)
-
-
-def attn_params(pointers: list[int], tail: bytes) -> np.void:
-    """The AttnParams block of seven pointers (q, k, v, out, lse, mask, bias) and a packed
-    tail (:func:`attn_params_tail`): the bytes a :class:`ForwardLaunch` launches with."""
-    return np.frombuffer(_POINTERS_STRUCT.pack(*pointers) + tail, ATTN_PARAMS_DTYPE)[0]
-
-
-class KeptLaunch:
-    """One launch of a call signature: kernel, grid, block, shared memory and the kernel's
-    parameter block, kept here with its leading pointers written per call
-    (``pointer_struct``) and launched through ``cuLaunchKernel`` (about 5 us less than
-    CuPy's launch, which converts and packs every argument each call). The kernel is the
-    one loaded for the current device; the caller keeps one per device. Thread-safe: the
-    pointers are written and launched under a lock, and the driver copies the block before
-    the launch returns."""
-
-    def __init__(self, kernel, grid: tuple[int, int], threads: int, shared_mem: int,
-                 block: bytes, pointer_struct: struct.Struct):
-        from cupy_backends.cuda.api import driver
-        self._launch = driver.launchKernel
-        self._function = kernel.kernel.ptr
-        self._block = np.zeros(-(-len(block) // 8), np.int64)
-        self._bytes = memoryview(self._block).cast("B")
-        self._bytes[:len(block)] = block
-        self._pack = pointer_struct.pack_into
-        self._argv = np.array([self._block.ctypes.data], np.int64)  # void* kernelParams[1]
-        self._argv_ptr = self._argv.ctypes.data
-        self._dims = (*grid, threads, shared_mem)
-        self._lock = threading.Lock()
-
-    def __call__(self, pointers, stream_ptr: int, magnitudes: int | None = None) -> None:
-        grid_x, grid_y, threads, shared_mem = self._dims
-        with self._lock:
-            self._pack(self._bytes, 0, *pointers)
-            if magnitudes is not None:  # a ForwardLaunch's per-call magnitudes (sm90_3xf16)
-                _MAGNITUDES_STRUCT.pack_into(self._bytes, _MAGNITUDES_OFFSET, magnitudes)
-            self._launch(self._function, grid_x, grid_y, 1, threads, 1, 1, shared_mem,
-                         stream_ptr, self._argv_ptr, 0)
-
-
-class ForwardLaunch(KeptLaunch):
-    """A forward kernel's :class:`KeptLaunch`: the AttnParams block from its packed tail
-    (:func:`attn_params_tail`), a call writing its seven pointers."""
-
-    def __init__(self, kernel, grid: int, threads: int, shared_mem: int, tail: bytes):
-        super().__init__(kernel, (grid, 1), threads, shared_mem,
-                         bytes(_POINTERS_STRUCT.size) + tail, _POINTERS_STRUCT)
-
-
-#: The backward's parameter block, ``AttnBwdParams`` in ``cuda/common.cuh``: the forward's
-#: block, then the backward's own pointers, grid sizes and strides.
-ATTN_BWD_PARAMS_DTYPE = np.dtype(
-    [("f", ATTN_PARAMS_DTYPE)]
-    + [(f, np.int64) for f in ("dout", "delta", "dq", "dk", "dv", "num_row_blocks",
-                               "num_col_tiles")]
-    + [(f"{t}_s", _STRIDES_DTYPE) for t in ("dout", "delta", "dq", "dk", "dv")],
-    align=True)
-_ATTN_BWD_PARAMS_STRUCT = struct.Struct("<17q2d35qq7q25q")
-assert _ATTN_BWD_PARAMS_STRUCT.size == ATTN_BWD_PARAMS_DTYPE.itemsize
-
-
-def pack_attn_bwd_params(ints: list[int], scale: float, softcap: float, strides: list[int],
-                         bwd_ints: list[int], bwd_strides: list[int],
-                         magnitudes: int = 0) -> np.void:
-    """The AttnBwdParams block: the forward's 17 integer fields (seven pointers, then the ten of
-    :func:`attn_params_tail`), then
-    ``bwd_ints`` (dout, delta, dq, dk, dv pointers, num_row_blocks, num_col_tiles) and
-    ``bwd_strides`` (25 stride fields: dout, delta, dq, dk, dv); ``magnitudes`` is the
-    forward block's last field (the sm90_3xf16 kernels' largest magnitudes per batch entry,
-    a device address)."""
-    buf = _ATTN_BWD_PARAMS_STRUCT.pack(*ints, scale, softcap, *strides, magnitudes, *bwd_ints,
-                                       *bwd_strides)
-    return np.frombuffer(buf, ATTN_BWD_PARAMS_DTYPE)[0]
-
-
-#: The parameter block of tf32_image_k / tf32_image_vt, ``Tf32Prep`` in
-#: ``cuda/attention_sm90_tf32.cu``.
-TF32_PREP_DTYPE = np.dtype(
-    [(f, np.int64) for f in ("src", "dst", "entries", "batch1", "batch2", "rows", "cols",
-                             "src_rows", "src_cols")]
-    + [("src_s", _STRIDES_DTYPE)], align=True)
-_TF32_PREP_STRUCT = struct.Struct("<14q")
-_TF32_PREP_POINTERS = struct.Struct("<2q")  # its leading src and dst
-assert _TF32_PREP_STRUCT.size == TF32_PREP_DTYPE.itemsize
-
-
-class Tf32PrepLaunch(KeptLaunch):
-    """One tf32_image_k / tf32_image_vt :class:`KeptLaunch` (256 threads per block): the
-    Tf32Prep block from its 14 integer fields in declaration order (the source's five
-    strides last), a call writing its two pointers (source, images)."""
-
-    def __init__(self, kernel, grid: tuple[int, int], fields: list[int]):
-        super().__init__(kernel, grid, 256, 0, _TF32_PREP_STRUCT.pack(*fields),
-                         _TF32_PREP_POINTERS)

@@ -36,7 +36,8 @@ def run_check(quick: bool = False) -> int:
     except Exception:  # noqa: BLE001
         print("check runs the CUDA kernels and needs a GPU")
         return 2
-    from .attention import _attention, _device_limits
+    from ._launch import device_limits as _device_limits
+    from .attention import _attention
     shapes = [(113, 203, 64), (257, 100, 128)] if quick else \
         [(1, 17, 32), (113, 203, 64), (257, 100, 128), (77, 77, 256), (40, 30, 1000)]
     failures, t0 = 0, time.perf_counter()
@@ -84,8 +85,7 @@ def run_check(quick: bool = False) -> int:
 def run_gate(arch: str = "sm_90", match: tuple[str, ...] = ()) -> int:
     """Compile the instances dispatch can pick on ``arch`` (those whose file or name has
     every word of ``match``) and print their resources; 1 if a fast one is not clean."""
-    from ._dispatch import GATE_TARGETS
-    from ._gate import compile_instance, gate_instances
+    from ._gate import GATE_TARGETS, compile_instance, gate_instances
     if arch not in GATE_TARGETS:
         print(f"unknown architecture {arch!r}; one of {', '.join(GATE_TARGETS)}")
         return 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import AttentionCall, check_attention
+from ._checks import AttentionCall, check_attention, sum_to_shape
 
 __all__ = ["attention_reference", "attention_backward_reference", "attention_blocked",
            "attention_backward_blocked", "allowed_keys", "naive_attention",
@@ -118,14 +118,6 @@ def attention_reference(q, k, v, *, mask=None, bias=None, **kwargs):
     p, lse = _dense_probabilities(call, q, k, mask, bias)
     out = np.broadcast_to(p @ v, call.out_shape)
     return np.array(out), np.array(np.broadcast_to(lse, call.lse_shape))
-
-
-def sum_to_shape(grad, shape):
-    """Sum ``grad`` over the axes along which an input of ``shape`` was broadcast."""
-    extra = grad.ndim - len(shape)
-    grad = grad.sum(axis=tuple(range(extra))) if extra else grad
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
-    return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
 def attention_backward_reference(dout, q, k, v, *, mask=None, bias=None, **kwargs):

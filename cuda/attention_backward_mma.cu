@@ -30,7 +30,7 @@
 //             SM for __launch_bounds__ (a register cap).
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
-//             swizzled as in mma_tiles.cuh; cuattn/_dispatch.py computes the same numbers.
+//             swizzled as in mma_tiles.cuh; cuattn/families/mma.py computes the same numbers.
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 

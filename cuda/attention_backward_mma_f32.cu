@@ -42,7 +42,7 @@
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes;
-//             cuattn/_dispatch.py::mma_f32_backward_smem_bytes computes the same numbers.
+//             cuattn/families/mma_wide.py::mma_f32_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 

@@ -31,7 +31,7 @@
 //             tile is re-read per chunk and the column tiles recompute the scores.
 // Shared mem: dK/dV: 2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(BLOCK_M+PAD);
 //             dQ:    2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(D_TILE+PAD) + BLOCK_M*(BLOCK_N+PAD)
-//             elements of Acc<T>, PAD = 16 bytes; cuattn/_dispatch.py computes the same.
+//             elements of Acc<T>, PAD = 16 bytes; cuattn/families/portable.py computes the same.
 // Reference:  cuattn/reference.py::attention_backward_reference (float64, dense) and
 //             ::attention_backward_blocked (this loop order, in NumPy).
 #include "backward.cuh"

@@ -30,7 +30,7 @@
 //             + S*2*BLOCK_M*4 bytes;  dQ: (64 + S*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes,
 //             S = 3 stages with OVERLAP, else 2, plus the staged mask and bias tiles;
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
-//             cuattn/_dispatch.py::sm90_backward_smem_bytes computes the same numbers.
+//             cuattn/families/sm90.py::sm90_backward_smem_bytes computes the same numbers.
 #include "backward.cuh"
 #include "sm90_tiles.cuh"
 

@@ -78,7 +78,7 @@
 //             B = 2 with OVERLAP, else 1; W = WARPGROUPS; O = 1 with ROLES = 3, else W.
 //             Split tiles in the 16-bit
 //             128-byte-swizzle layout (Sw128<ROWS, 2>), raw tiles in the float one
-//             (Sw128<ROWS, 4>). cuattn/_dispatch.py::sm90_3xf16_backward_smem_bytes computes
+//             (Sw128<ROWS, 4>). cuattn/families/sm90_3xf16.py::sm90_3xf16_backward_smem_bytes computes
 //             the same numbers.
 #include "backward.cuh"
 #include "split16.cuh"

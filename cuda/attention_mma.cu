@@ -26,7 +26,7 @@
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
-//             cuattn/_dispatch.py::mma_smem_bytes computes the same number.
+//             cuattn/families/mma.py::mma_smem_bytes computes the same number.
 #include "mma_softmax.cuh"
 #include "mma_tiles.cuh"
 

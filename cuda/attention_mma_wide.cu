@@ -42,7 +42,7 @@
 //             loads (double: 2 rows x 4 lanes; float: 64-bit loads of 4 rows x 4 lanes per
 //             half-warp) hit distinct banks, and HEAD_DIM_V+V_PAD puts V rows 2t, 2t+1 of the
 //             B loads in distinct banks.
-//             cuattn/_dispatch.py::mma_wide_smem_bytes computes the same number.
+//             cuattn/families/mma_wide.py::mma_wide_smem_bytes computes the same number.
 #include "mma_softmax.cuh"
 #include "mma_tiles.cuh"
 

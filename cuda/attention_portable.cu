@@ -32,7 +32,7 @@
 // Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
 //             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
 //             2*BLOCK_N*(D_TILE+PAD) + BLOCK_N*(DV_TILE+PAD) when PIPELINED;
-//             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
+//             cuattn/families/portable.py::portable_smem_bytes computes the same number.
 // Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
 //             (this loop, in NumPy).
 #include "portable_tiles.cuh"
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
 //             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
 //             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
-//             cuattn/_dispatch.py::portable_smem_bytes computes the same number.
+//             cuattn/families/portable.py::portable_smem_bytes computes the same number.
 // The stale max (double only): a tile whose scores all lie within LAZY_LOG2 (log2 units)
 // above their row's m is summed against that m as it stands: terms up to 2^LAZY_LOG2, far
 // inside double's range, and acc / l and m ln 2 + log l unchanged. m stays the max of the

@@ -23,7 +23,7 @@
 //             every tile in the canonical 128-byte-swizzle layout of wgmma: 64-column
 //             groups stored one after another, each group's rows 128 bytes apart with
 //             16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned.
-//             cuattn/_dispatch.py::sm90_smem_bytes computes the same number.
+//             cuattn/families/sm90.py::sm90_smem_bytes computes the same number.
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
 //             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"

@@ -25,7 +25,7 @@
 // Shared mem: (NUM_WG*2*64*HEAD_DIM + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)) * 2
 //             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V) * 4 bytes: Q (hi, lo; per warpgroup), the
 //             stacked split K and V tiles, two raw stages of K and V;
-//             cuattn/_dispatch.py::sm90_3xf16_smem_bytes computes the same number.
+//             cuattn/families/sm90_3xf16.py::sm90_3xf16_smem_bytes computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32 or
 //             64); NUM_WG (1 or 2); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"

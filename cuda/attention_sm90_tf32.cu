@@ -32,7 +32,7 @@
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
 //             two stages of K, the V staging tile and V^T, every tile in the
 //             128-byte-swizzle layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
-//             cuattn/_dispatch.py::sm90_tf32_smem_bytes computes the same number.
+//             cuattn/families/sm90_tf32.py::sm90_tf32_smem_bytes computes the same number.
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
 //             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 // layout for a HEAD_DIM_V-row tile of BLOCK_N columns; zeros past the keys and head dims.
 // Tf32Prep: rows = BLOCK_N, cols = HEAD_DIM (or HEAD_DIM_V), src_rows = keys.
 
-// The parameter block of tf32_image_k and tf32_image_vt (cuattn/_kernels.py::TF32_PREP_DTYPE).
+// The parameter block of tf32_image_k and tf32_image_vt (cuattn/_params.py reads it from here).
 struct Tf32Prep {
     long long src, dst;            // device addresses: the input (k or v), the images
     long long entries;             // batch entries of the input
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
 // same order on the same operands); with 192-row blocks too where no band is set (a band
 // can make a tile masked for one block height and interior for the other: mask_scores).
 // Shared mem: (NUM_WG * 64 * HEAD_DIM + STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)) * 4
-// bytes + 16 * STAGES bytes of barriers (cuattn/_dispatch.py::sm90_piped_smem_bytes).
+// bytes + 16 * STAGES bytes of barriers (cuattn/families/sm90_tf32.py::sm90_piped_smem_bytes).
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
           int STAGES, bool QREG, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)

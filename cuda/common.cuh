@@ -2,7 +2,7 @@
 //
 // What lives here: the numeric traits (storage type T -> accumulator type), conversions
 // between storage and accumulator, the parameter block of the attention kernels
-// (AttnParams, mirrored field for field by cuattn/_kernels.py::ATTN_PARAMS_DTYPE), and the
+// (AttnParams, which cuattn/_params.py reads from this file), and the
 // online-softmax row-state helpers: m (running row max, in
 // log2 units), l (running row sum), acc (unnormalised output), alpha = exp2(m_old - m_new);
 // the grid order (block_coords), the band's reach in tiles and the interior-tile test.
@@ -187,7 +187,7 @@ struct AttnParams {
 // their strides) plus the arrays only the backward reads or writes. The grids of the two
 // backward kernels are num_row_blocks (key blocks for dK/dV, query blocks for dQ) x
 // num_col_tiles (output-column tiles) x batch; f.num_m_blocks and f.num_dv_tiles are unused.
-// Mirrored by cuattn/_kernels.py::ATTN_BWD_PARAMS_DTYPE.
+// cuattn/_params.py reads it from this file.
 struct AttnBwdParams {
     AttnParams f;
     long long dout, delta, dq, dk, dv;        // device addresses; delta: acc type, (batch, Sq)

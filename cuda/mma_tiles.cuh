@@ -268,7 +268,7 @@ __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src
 
 // The staged mask and bias of a kernel (the sm90 16-bit forward and backward): STAGES
 // stages of ROWS queries x COLS keys at `smem`, the mask's stages first (STAGES x (M_BYTES
-// + B_BYTES) bytes; cuattn/_dispatch.py::side_bytes per stage), for the block's
+// + B_BYTES) bytes; cuattn/families/_common.py::side_bytes per stage), for the block's
 // mask and bias (at its batch entry). `staged`: this call's mask and bias are of unit
 // column stride with rows 16 bytes apart (or one row for every query), so the passes read
 // them from the stages (request, then mask_view / bias_view); other layouts are read where

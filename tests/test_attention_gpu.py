@@ -15,7 +15,9 @@ from _gpu_matrix import rand as _rand
 from cuattn import _dispatch
 from cuattn._checks import check_attention
 from cuattn._dispatch import FAMILIES
-from cuattn.attention import _attention, _device_limits
+from cuattn._launch import device_limits as _device_limits
+from cuattn.attention import _attention
+from cuattn.families import portable, sm90, sm90_tf32
 from cuattn.reference import attention_reference, naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -115,8 +117,8 @@ def test_mask_and_bias_layouts(family, dtype, layout, sq, sk):
 #: the portable family's warp-tiled forms (attention_fwd_portable_warps: two groups of
 #: warps half a tile apart, and all warps in step with 64-key tiles), forced through their
 #: tiles for both float types (the table gives them float64 with head dims to 64)
-WARPS_TILES = [_dispatch.Tiles(128, 32, 64, 64, 1, warps=True),
-               _dispatch.Tiles(128, 64, 64, 64, 1, warps=True, lockstep=True)]
+WARPS_TILES = [portable.Tiles(128, 32, 64, 64, 1, warps=True),
+               portable.Tiles(128, 64, 64, 64, 1, warps=True, lockstep=True)]
 
 
 @pytest.mark.parametrize("tiles", WARPS_TILES, ids=["groups32", "lockstep64"])
@@ -211,7 +213,7 @@ def test_piped_operands(variant, feature, shape):
                                   else {})}
     q, k, v = _rand(rng, (2, 3, sq, d), np.float32), _rand(rng, (2, 3, sk, d), np.float32), \
         _rand(rng, (2, 3, sk, dv), np.float32)
-    tiles = next(c for max_d, c, _ in _dispatch.SM90_TF32_TILES if max(d, dv) <= max_d)[0]
+    tiles = next(c for max_d, c, _ in sm90_tf32.SM90_TF32_TILES if max(d, dv) <= max_d)[0]
     piped = dataclasses.replace(tiles.piped, **variant)
     per_block = dataclasses.replace(tiles, block_m=128, block_n=piped.block_n, prepare_from=0)
     dev = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
@@ -233,9 +235,9 @@ def test_piped_plans_repeat_and_loop():
     included. Each result bit for bit the per-block instance's with the same tiles."""
     cp = _cp()
     family, kw = "sm90_tf32", {"precision": "tf32"}
-    per_block = _dispatch.Sm90Tiles(128, 32)
+    per_block = sm90.Sm90Tiles(128, 32)
     piped = dataclasses.replace(per_block, prepare_from=1,
-                                piped=_dispatch.PipedTiles(128, 32, 2))
+                                piped=sm90_tf32.PipedTiles(128, 32, 2))
     rng = np.random.default_rng(11)
     for attempt in range(3):  # the first call plans, the others repeat it
         q, k, v = (cp.asarray(_rand(rng, (2, 3, 150, 64), np.float32)) for _ in range(3))
@@ -255,8 +257,8 @@ def test_piped_plans_repeat_and_loop():
 #: the banded-grid test's variants: every family with its table's tiles, and the piped
 #: instance forced at its short sequences
 BANDED_VARIANTS = [(f, None) for f in FAMILY_NAMES] + [
-    ("sm90_tf32", dataclasses.replace(_dispatch.Sm90Tiles(128, 64), prepare_from=1,
-                                      piped=_dispatch.PipedTiles(192, 64, 2)))]
+    ("sm90_tf32", dataclasses.replace(sm90.Sm90Tiles(128, 64), prepare_from=1,
+                                      piped=sm90_tf32.PipedTiles(192, 64, 2)))]
 
 
 @pytest.mark.parametrize("band", [{"causal": True}, {"window": (100, 30)}])
@@ -298,7 +300,7 @@ def test_long_float32_calls_take_the_piped_instance(causal, d):
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the piped instances are Hopper's (sm_90)")
     precision = "tf32"
-    rows = _dispatch.PIPED_FROM_D64 if d == 64 else _dispatch.PIPED_FROM_D128
+    rows = sm90_tf32.PIPED_FROM_D64 if d == 64 else sm90_tf32.PIPED_FROM_D128
     sq = 2 * rows if causal else rows
     rng = np.random.default_rng(sq + d)
     q, k, v = (_rand(rng, (1, 2, sq, d), np.float32) for _ in range(3))
@@ -443,10 +445,8 @@ def test_repeated_calls_take_the_short_path():
     """A plain CuPy call whose signature was validated and planned before skips both: its
     results match the long way bit for bit, other data of the signature get their own
     results, and a changed stride, dtype, lse request or bad scalar is not mistaken for it."""
-    import sys
-
     import cuattn
-    module = sys.modules["cuattn.attention"]
+    from cuattn import _gpu as module
     cp = _cp()
     rng = np.random.default_rng(6)
     q, k, v = (_rand(rng, (2, 3, 70, 64), np.float16) for _ in range(3))

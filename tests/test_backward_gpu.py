@@ -14,8 +14,10 @@ from _gpu_matrix import cupy as _cp
 from _gpu_matrix import rand as _rand
 
 import cuattn
-from cuattn._dispatch import BACKWARD_FAMILIES, Sm90BwdTiles, Sm90F16SplitBwdTiles
+from cuattn._dispatch import BACKWARD_FAMILIES
 from cuattn.attention import _attention_backward
+from cuattn.families.sm90 import Sm90BwdTiles
+from cuattn.families.sm90_3xf16 import Sm90F16SplitBwdTiles
 from cuattn.reference import attention_backward_reference, naive_attention_backward
 
 pytestmark = pytest.mark.gpu

@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 
 from cuattn import _dispatch as d
+from cuattn import _gate
+from cuattn.families import mma_wide, sm90, sm90_3xf16, sm90_tf32
+from cuattn.families._common import Request
 
 F16, BF16, F32, F64 = (np.dtype(x) for x in (np.float16, ml_dtypes.bfloat16, np.float32,
                                              np.float64))
@@ -17,6 +20,11 @@ def forward(dtype, head, *, gpu=H200, precision=None, forced=None, bias=None, ma
     if precision is None and dtype == F32:
         precision = "highest"
     return d._choose(dtype, head, head, bias, mask, True, cc, smem, forced, None, precision)
+
+
+def hopper(dtype, head, *, bias=None, mask=False, aligned=True, limit=232448):
+    """A family module's request on an H200 (head dims D = Dv)."""
+    return Request(dtype, head, head, bias, mask, aligned, (9, 0), limit)
 
 
 def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None, precision=None,
@@ -63,7 +71,7 @@ def test_sm90_tf32_instances_and_shared_memory():
         "attention_fwd_sm90_tf32<cuattn::NoBias, false, 128, 128, 64, 2, true, 1>")
     assert choice.threads == 256 and choice.tiles.block_m == 128
     assert choice.shared_mem == 4 * (128 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    assert choice.shared_mem == d.sm90_tf32_smem_bytes(d.Sm90Tiles(128, 64), 128, 128)
+    assert choice.shared_mem == sm90_tf32.sm90_tf32_smem_bytes(sm90.Sm90Tiles(128, 64), 128, 128)
     d64 = forward(F32, 64, precision="tf32")
     assert d64.name_expression.endswith("64, 64, 128, 2, true, 1>")
     assert d64.shared_mem == 4 * (128 * 64 + 2 * 128 * 64 + 2 * 128 * 64)
@@ -71,12 +79,13 @@ def test_sm90_tf32_instances_and_shared_memory():
     # the piped instance (K and V^T tile images, a producer warpgroup): three consumer
     # warpgroups (192 rows) and four slots of a 32-key K tile and V^T tile, two barriers each
     piped = choice.prepared
-    assert piped.prepare and not choice.prepare and choice.prepare_from == d.PIPED_FROM_D128
+    assert piped.prepare and not choice.prepare and choice.prepare_from == sm90_tf32.PIPED_FROM_D128
     assert piped.name_expression == (
         "attention_fwd_sm90_tf32_piped<cuattn::NoBias, false, 128, 128, 32, 3, 4, false, true>")
     assert piped.threads == 512 and piped.tiles.block_m == 192 and piped.tiles.block_n == 32
     assert piped.shared_mem == 4 * (192 * 128 + 4 * 32 * (128 + 128)) + 16 * 4
-    assert piped.shared_mem == d.sm90_piped_smem_bytes(d.PipedTiles(192, 32, 4), 128, 128)
+    assert piped.shared_mem == sm90_tf32.sm90_piped_smem_bytes(sm90_tf32.PipedTiles(192, 32, 4),
+                                                               128, 128)
     assert d64.prepared.name_expression.endswith("64, 64, 64, 3, 4, true, true>")
 
 
@@ -84,17 +93,16 @@ def test_prepared_operands_from_enough_query_rows():
     # the preparation's fixed cost pays from enough query blocks per key tile; under a band
     # each key tile serves about half of them, so twice the rows
     choice = forward(F32, 128, precision="tf32")
-    rows = d.PIPED_FROM_D128
+    rows = sm90_tf32.PIPED_FROM_D128
     use = d.with_prepared_operands
     assert use(choice, rows, False) is choice.prepared
     assert use(choice, rows - 1, False) is choice
     assert use(choice, 2 * rows, True) is choice.prepared
     assert use(choice, 2 * rows - 2, True) is choice
     # a piped instance that does not fit is not offered
-    tiles = d.Sm90Tiles(128, 64, prepare_from=1, piped=d.PipedTiles(192, 32, 4))
-    assert d._sm90("sm90_tf32", F32, 128, 128, None, False, True, 232448, tiles).prepared
-    assert d._sm90("sm90_tf32", F32, 128, 128, None, False, True, 200000,
-                   tiles).prepared is None
+    tiles = sm90.Sm90Tiles(128, 64, prepare_from=1, piped=sm90_tf32.PipedTiles(192, 32, 4))
+    assert sm90_tf32.forward(hopper(F32, 128), tiles).prepared
+    assert sm90_tf32.forward(hopper(F32, 128, limit=200000), tiles).prepared is None
 
 
 def test_sm90_3xf16_forward_instances_and_shared_memory():
@@ -114,7 +122,7 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
     assert forward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
     assert forward(F32, 256, forced="sm90_3xf16") is None
     assert ("attention_sm90_3xf16.cu", "attention_fwd_magnitudes", True) in \
-        d.forward_instances("sm_90")
+        _gate.forward_instances("sm_90")
 
 
 def test_sm90_instances_and_shared_memory():
@@ -125,15 +133,15 @@ def test_sm90_instances_and_shared_memory():
         "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, 2, true, 1>")
     assert choice.threads == 128 and choice.tiles.block_m == 64
     assert choice.shared_mem == 2 * (64 * 128 + 2 * 64 * 128 + 2 * 64 * 128)
-    two = d._sm90("sm90", F16, 64, 64, None, True, False, 232448, d.Sm90Tiles(128, 128))
+    two = sm90.forward(hopper(F16, 64, mask=True, aligned=False), sm90.Sm90Tiles(128, 128))
     assert two.name_expression == (
         "attention_fwd_sm90<__half, cuattn::NoBias, true, 64, 64, 128, 2, 2, false, 1>")
     # with a mask, each stage also holds its 128 x 128 mask tile, rows 144 bytes apart (the
     # chunks of 128 keys and one more for a start off a 16-byte boundary)
     assert two.threads == 256 and two.shared_mem == 2 * (128 * 64 + 2 * 128 * 128) + 2 * 128 * 144
-    biased = d._sm90("sm90", F16, 64, 64, np.float32, True, True, 232448, d.Sm90Tiles(64, 64))
+    biased = sm90.forward(hopper(F16, 64, bias=np.float32, mask=True), sm90.Sm90Tiles(64, 64))
     assert biased.shared_mem == 2 * (64 * 64 + 2 * 64 * 128) + 2 * 64 * (80 + 272)
-    three = d._sm90("sm90", F16, 64, 64, None, False, True, 232448, d.Sm90Tiles(64, 64, 3, 4))
+    three = sm90.forward(hopper(F16, 64), sm90.Sm90Tiles(64, 64, 3, 4))
     assert three.name_expression.endswith("64, 64, 64, 1, 4, true, 3>")
     assert three.shared_mem == 2 * (64 * 64 + 4 * 64 * 128)
     # the loader builds this file for sm_90a (wgmma), whatever the gate's target
@@ -160,23 +168,51 @@ def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
     assert forward(F32, 64, gpu=SM86, precision="tf32").tiles.block_m == 64
 
 
-def test_attention_params_block_field_order():
-    """attn_params packs the seven pointers before a tail that attn_params_tail packs, in
-    the field order of ATTN_PARAMS_DTYPE (AttnParams in cuda/common.cuh)."""
-    from cuattn._kernels import ATTN_PARAMS_DTYPE, attn_params, attn_params_tail
+def test_parameter_blocks_are_filled_by_field_name():
+    """A parameter block's dtype is the C++ struct's (read from the sources): fields by
+    name, nested strides as tuples, the forward's pointers one run of 8-byte fields."""
+    from cuattn._gpu import BACKWARD_SLOTS, FORWARD_SLOTS
+    from cuattn._launch import _run_of_fields
+    from cuattn._params import block_dtype, new_block
 
-    ints = list(range(8, 18))
-    strides = list(range(100, 135))
-    block = attn_params(list(range(1, 8)), attn_params_tail(ints, 0.125, 30.0, strides))
-    assert block.dtype == ATTN_PARAMS_DTYPE
-    names = ["q", "k", "v", "out", "lse", "mask", "bias", "batch1", "batch2", "seqlen_q",
-             "seqlen_k", "head_dim", "head_dim_v", "window_left", "window_right",
-             "num_m_blocks", "num_dv_tiles"]
-    assert [int(block[n]) for n in names] == list(range(1, 18))
+    block = new_block("AttnParams", q=1, bias=7, seqlen_q=70, window_right=0, scale=0.125,
+                      softcap=30.0, k_s=(1, 2, 3, 4, 5), magnitudes=9)
+    assert block.dtype.names[:7] == FORWARD_SLOTS and block.dtype.names[-1] == "magnitudes"
+    assert int(block["q"]) == 1 and int(block["bias"]) == 7 and int(block["seqlen_q"]) == 70
     assert float(block["scale"]) == 0.125 and float(block["softcap"]) == 30.0
-    for i, t in enumerate(("q", "k", "v", "out", "lse", "mask", "bias")):
-        assert [int(block[f"{t}_s"][f]) for f in ("b0", "b1", "b2", "row", "col")] == \
-            strides[5 * i:5 * i + 5]
+    assert [int(block["k_s"][f]) for f in ("b0", "b1", "b2", "row", "col")] == [1, 2, 3, 4, 5]
+    assert int(block["magnitudes"]) == 9 and int(block["v"]) == 0  # the rest zero
+    run, offset = _run_of_fields(block.dtype, FORWARD_SLOTS)
+    assert (run.size, offset) == (56, 0)
+    bwd = new_block("AttnBwdParams", f={"seqlen_k": 5, "q": 3}, dq=11, num_col_tiles=2)
+    assert int(bwd["f"]["seqlen_k"]) == 5 and int(bwd["f"]["q"]) == 3 and int(bwd["dq"]) == 11
+    assert block_dtype("AttnBwdParams").names[1:6] == BACKWARD_SLOTS
+    with pytest.raises(ValueError, match="consecutive"):
+        _run_of_fields(block.dtype, ("q", "seqlen_q"))
+    with pytest.raises(ValueError):
+        new_block("AttnParams", no_such_field=1)
+
+
+def test_a_struct_edited_in_the_sources_is_followed(tmp_path, monkeypatch):
+    """The block layout has one definition, the C++ struct: a copy of the sources with a
+    field added (CUATTN_KERNEL_DIR) gives blocks with that field at its place."""
+    import shutil
+
+    from cuattn._kernels import kernel_dir
+    from cuattn._params import block_dtype
+    for f in kernel_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    common = (tmp_path / "common.cuh").read_text()
+    edited = common.replace("    double scale;", "    long long extra;  // a new field\n"
+                                                "    double scale;", 1)
+    assert edited != common
+    (tmp_path / "common.cuh").write_text(edited)
+    before = block_dtype("AttnParams")
+    monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
+    after = block_dtype("AttnParams")
+    assert after.itemsize == before.itemsize + 8
+    assert after.fields["extra"][1] == before.fields["scale"][1]
+    assert block_dtype("AttnBwdParams").fields["dout"][1] == after.itemsize
 
 
 def test_portable_pipeline_and_16_byte_copies():
@@ -286,13 +322,13 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     assert wide.smem_dkdv == (2 * 64 * 256 * 2 + 2 * 32 * 256 * 4 + 2 * 2 * 32 * 256 * 2
                               + 2 * 2 * 32 * 4 + 64 * 32 * 4)
     roles = backward(F32, 128, forced="sm90_3xf16",
-                     tiles=d.Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=2))
+                     tiles=sm90_3xf16.Sm90F16SplitBwdTiles(32, 32, dkdv_warpgroups=2, dkdv_roles=2))
     assert (roles.dkdv_roles, roles.dkdv_rows) == (2, 128)
     assert max(wide.smem_dkdv, wide.smem_dq) <= H200[1]
     assert backward(F32, 64, forced="sm90_3xf16", precision="tf32") is None
     assert backward(F32, 256, forced="sm90_3xf16") is None
     assert backward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
-    instances = [e for f, e, _ in d.backward_instances("sm_90")
+    instances = [e for f, e, _ in _gate.backward_instances("sm_90")
                  if f == "attention_backward_sm90_3xf16.cu"]
     assert "attention_bwd_magnitudes" in instances
 
@@ -342,7 +378,7 @@ def test_mma_f32_backward_instances_and_shared_memory():
     assert choice.dkdv_roles == 1 and ", 16, 4, true, true, 2>" in choice.dkdv
     assert choice.smem_dq == (64 * 256 + 2 * 16 * (256 + 8)) * 4
     # the fallback tiles read the streamed tiles as stored and round them per use
-    choice = backward(F32, 64, precision="tf32", tiles=d.MmaF32BwdTiles(4, 16, 4, 16, 2, 3))
+    choice = backward(F32, 64, precision="tf32", tiles=mma_wide.MmaF32BwdTiles(4, 16, 4, 16, 2, 3))
     assert choice.dkdv.endswith(", 16, 4, false, true, 2>")
 
 
@@ -361,13 +397,13 @@ def test_sm90_backward_instances_and_shared_memory():
     assert choice.smem_dkdv == (64 * 128 + 3 * 64 * 128) * 2 + 3 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 3 * 64) * 128 * 2
     # without the overlap: two stages
-    choice = backward(BF16, 40, tiles=d.Sm90BwdTiles(64, 64, 2, 3))
+    choice = backward(BF16, 40, tiles=sm90.Sm90BwdTiles(64, 64, 2, 3))
     assert choice.dkdv.endswith(", 64, true, 2, false>") and choice.dq.endswith(", 3, false>")
     assert choice.smem_dkdv == (64 * 128 + 2 * 64 * 128) * 2 + 2 * 2 * 64 * 4
     assert choice.smem_dq == (64 + 2 * 64) * 128 * 2
     # lse and delta loaded when used (explicit tiles): the name keeps the template's default,
     # the shared memory is the same
-    plain = backward(BF16, 64, tiles=d.Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True,
+    plain = backward(BF16, 64, tiles=sm90.Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True,
                                                     dq_overlap=True))
     assert plain.dkdv.endswith(", 64, 64, 64, true, 2, true>")
     assert plain.dq.endswith(", 64, true, 3, true>")
@@ -377,8 +413,56 @@ def test_sm90_backward_instances_and_shared_memory():
     # ... without a mask and a bias only (the table's; explicit tiles are taken as given)
     assert backward(BF16, 64, has_mask=True).dkdv.endswith(", 64, true, 2, true>")
     assert backward(BF16, 128, bias=BF16).dkdv.endswith(", 64, true, 1, false>")
-    assert backward(BF16, 64, has_mask=True, tiles=d.Sm90BwdTiles(
+    assert backward(BF16, 64, has_mask=True, tiles=sm90.Sm90BwdTiles(
         64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
         dkdv_stats_ahead=True)).dkdv.endswith(", 2, true, true>")
     from cuattn._kernels import nvrtc_options
     assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")
+
+
+def _cpp_signatures() -> dict:
+    """Template parameter names of every __global__ template in cuda/, by kernel name."""
+    import re
+
+    from cuattn._kernels import kernel_dir
+    pattern = re.compile(r"template\s*<([^<>]*)>\s*__global__\s+void\s+"
+                         r"(?:__launch_bounds__\([^()]*(?:\([^()]*\))?[^()]*\)\s*)?(\w+)\s*\(")
+    found = {}
+    for path in kernel_dir().iterdir():
+        for params, name in pattern.findall(path.read_text()):
+            names = tuple(p.split("=")[0].split()[-1] for p in params.split(","))
+            defaults = tuple(p.split("=")[0].split()[-1] for p in params.split(",") if "=" in p)
+            found[name] = (names, defaults)
+    return found
+
+
+def test_template_signatures_name_the_cpp_parameters():
+    """Each family's Kernel lists the C++ template's parameters by name, in order: a
+    reordered or renamed parameter in a .cu file fails here, not at run time."""
+    import importlib
+    import pkgutil
+
+    import cuattn.families
+    from cuattn.families._common import Kernel
+    cpp = _cpp_signatures()
+    kernels = {}
+    for info in pkgutil.iter_modules(cuattn.families.__path__):
+        module = importlib.import_module(f"cuattn.families.{info.name}")
+        kernels.update({k.name: k for k in vars(module).values() if isinstance(k, Kernel)})
+    assert set(cpp) - set(kernels) == {"vector_add"}  # every attention template is named
+    for name, kernel in kernels.items():
+        assert name in cpp, f"{name}: no such __global__ template in cuda/"
+        params, defaults = cpp[name]
+        assert kernel.params == params, name
+        assert set(kernel.defaults) <= set(defaults), name
+
+
+def test_a_template_signature_takes_every_parameter_by_name():
+    from cuattn.families._common import Kernel
+    k = Kernel("f", "T HAS_MASK N LAST", defaults={"LAST": False})
+    assert k(T=F16, HAS_MASK=True, N=64, LAST=False) == "f<__half, true, 64>"
+    assert k(T=BF16, HAS_MASK=False, N=8, LAST=True) == "f<__nv_bfloat16, false, 8, true>"
+    with pytest.raises(TypeError, match="missing"):
+        k(T=F16, HAS_MASK=True, N=64)
+    with pytest.raises(TypeError, match="unknown"):
+        k(T=F16, HAS_MASK=True, N=64, LAST=True, EXTRA=1)

@@ -41,7 +41,7 @@ def test_instance_compiles(inst, resources):
 def test_the_gate_covers_every_head_dim():
     """Every D = Dv from 1 to 256 is among the gate's calls, for every family, so a tile
     class that cannot compile is caught without a GPU."""
-    from cuattn._dispatch import GATE_HEAD_DIMS
+    from cuattn._gate import GATE_HEAD_DIMS
     assert set(range(1, 257)) <= set(GATE_HEAD_DIMS)
     exprs = {e for _, _, e, _ in PLAN}
     # the padded classes of the mma family's 16-bit forward, 129-192 among them
@@ -78,3 +78,60 @@ def test_wgmma_wrappers_match_their_generator(capsys):
     spec.loader.exec_module(gen)
     gen.main()
     assert capsys.readouterr().out == (kernel_dir() / "wgmma.cuh").read_text()
+
+
+@pytest.mark.gate
+def test_parameter_block_layouts_are_the_compilers(tmp_path, monkeypatch):
+    """NVRTC agrees with the parameter blocks read from the C++ structs: a kernel copies
+    every field of each struct, in order, to out[i] and its size to the last slot; the PTX
+    shows at which parameter offset each field is loaded (NVRTC has no offsetof)."""
+    import re
+    import shutil
+
+    from cuda.bindings import nvrtc
+
+    from cuattn._gate import CUPY_APPENDS, cuda_include_dir
+    from cuattn._kernels import kernel_dir, read_source
+    from cuattn._params import STRUCT_FILES, block_dtype
+
+    def leaves(dtype, prefix=""):
+        for name in dtype.names:
+            field, offset = dtype.fields[name][:2]
+            if field.names:
+                yield from ((p, o + offset, flt) for p, o, flt in leaves(field, f"{prefix}{name}."))
+            else:
+                yield f"{prefix}{name}", offset, field.kind == "f"
+
+    for f in kernel_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
+    for struct in STRUCT_FILES:
+        dtype = block_dtype(struct)
+        fields = list(leaves(dtype))
+        body = "".join(f"    out[{i}] = {'__double_as_longlong' if flt else '(long long)'}"
+                       f"(p.{name});\n" for i, (name, _, flt) in enumerate(fields))
+        source = (read_source(STRUCT_FILES[struct]) + "using namespace cuattn;\n"
+                  f'extern "C" __global__ void layout_check(const {struct} p, long long* out) '
+                  f"{{\n{body}    out[{len(fields)}] = sizeof({struct});\n}}\n")
+        err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"layout_check.cu", 0, [], [])
+        opts = [b"-std=c++17", b"-arch=compute_90", *(o.encode() for o in CUPY_APPENDS)]
+        if cuda_include_dir():
+            opts.append(f"--include-path={cuda_include_dir()}".encode())
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        nvrtc.nvrtcDestroyProgram(prog)
+        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+        ptx = ptx.decode()
+        loads = dict(re.findall(r"ld\.param\.\w+\s+(%\w+), \[layout_check_param_0\+?(\d*)\]",
+                                ptx))
+        stores = re.findall(r"st\.global\.\w+\s+\[%\w+\+?(\d*)\], (%?\w+);", ptx)
+        consts = dict(re.findall(r"mov\.[us]64\s+(%\w+), (\d+);", ptx))
+        seen = {int(at or 0) // 8: value for at, value in stores}
+        assert int(consts.get(seen[len(fields)], seen[len(fields)])) == dtype.itemsize, struct
+        for i, (name, offset, _) in enumerate(fields):
+            assert int(loads[seen[i]] or 0) == offset, f"{struct}.{name}"

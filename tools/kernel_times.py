@@ -4,7 +4,7 @@
 
 e.g. ``sm90_3xf16 64 float32``, ``sm90 64 bfloat16 causal``,
 ``sm90_3xf16 128 float32 "Sm90F16SplitBwdTiles(32, 32, dkdv_roles=2)"`` (TILES: a tiles
-expression over cuattn._dispatch's names; without it the dispatch table's choice).
+expression over the tile classes of cuattn.families; without it the dispatch table's choice).
 The shape is the backward sweep's: B·S = 16k tokens, H·D = 2048, S = 4096. float32 runs
 with precision "highest". Prints each kernel's median milliseconds and the rate of the
 matrix products it does, each of the size of one of the forward's two: dK/dV recomputes S,
@@ -18,17 +18,18 @@ import ml_dtypes
 import numpy as np
 
 import cuattn
-from cuattn import _dispatch
+from cuattn import _gpu
 from cuattn.attention import _attention_backward
-
-attention = sys.modules["cuattn.attention"]  # the module (cuattn.attention is the function)
+from cuattn.families import mma, mma_wide, portable, sm90, sm90_3xf16, sm90_tf32
 
 
 def main():
     family, d, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     causal = "causal" in sys.argv[4:]
     exprs = [a for a in sys.argv[4:] if a != "causal"]
-    tiles = eval(exprs[0], vars(_dispatch)) if exprs else None  # noqa: S307 - a tool
+    names = {k: v for m in (mma, mma_wide, portable, sm90, sm90_3xf16, sm90_tf32)
+             for k, v in vars(m).items() if isinstance(v, type)}
+    tiles = eval(exprs[0], names) if exprs else None  # noqa: S307 - a tool
     kw = {"precision": "highest"} if name == "float32" else {}
     dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
     s = 4096
@@ -38,20 +39,23 @@ def main():
     out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
     dout = cp.random.standard_normal(out.shape, dtype=cp.float32).astype(dtype)
     times = {}
-    real_get_kernel = attention.get_kernel
+    names = {}  # kernel handle -> name expression
+    real_get_kernel, real_launch = _gpu.get_kernel, _gpu.Launch
 
-    def timed_get_kernel(filename, expr, **options):
+    def named_get_kernel(filename, expr, **options):
         fn = real_get_kernel(filename, expr, **options)
+        names[fn.kernel.ptr] = expr
+        return fn
 
-        def run(*args, **kwargs):
+    class TimedLaunch(real_launch):
+        def __call__(self, *args, **kwargs):
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
-            fn(*args, **kwargs)
+            super().__call__(*args, **kwargs)
             stop.record()
-            times.setdefault(expr, []).append((start, stop))
-        return run
+            times.setdefault(names[self._function], []).append((start, stop))
 
-    attention.get_kernel = timed_get_kernel
+    _gpu.get_kernel, _gpu.Launch = named_get_kernel, TimedLaunch
     try:
         for _ in range(3):
             _attention_backward(dout, q, k, v, out, lse, causal=causal, kernel=family,
@@ -63,7 +67,7 @@ def main():
                                 tiles=tiles, **kw)
         cp.cuda.Device().synchronize()
     finally:
-        attention.get_kernel = real_get_kernel
+        _gpu.get_kernel, _gpu.Launch = real_get_kernel, real_launch
     fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)  # the forward's FLOPs
     print(f"{family} D{d} {name} causal={causal} shape {(b, h, s, d)} tiles {tiles}")
     total = 0.0

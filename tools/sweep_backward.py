@@ -10,7 +10,8 @@
 
 Times the whole backward (delta, dK/dV, dQ) of B·S = 16k tokens, H·D = 2048 at S = 4096
 for each MmaBwdTiles (Sm90BwdTiles, MmaF32BwdTiles) candidate; the winners go into
-cuattn/_dispatch.py (MMA_BACKWARD_TILES, SM90_BACKWARD_TILES, MMA_F32_BACKWARD_TILES) with
+the family modules of cuattn/families/ (MMA_BACKWARD_TILES, SM90_BACKWARD_TILES,
+MMA_F32_BACKWARD_TILES) with
 the measured reason. bfloat16 inputs, float32 with --f32 (precision "tf32"). FLOPs: 2.5x
 the forward's.
 """
@@ -19,9 +20,11 @@ import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaBwdTiles, MmaF32BwdTiles, Sm90BwdTiles
 from cuattn.attention import _attention_backward
 from cuattn.bench import _time
+from cuattn.families.mma import MmaBwdTiles
+from cuattn.families.mma_wide import MmaF32BwdTiles
+from cuattn.families.sm90 import Sm90BwdTiles
 
 T = MmaBwdTiles
 CANDIDATES = {  # head dim -> (dkdv_warps, block_m, dq_warps, block_n[, min blocks per SM])

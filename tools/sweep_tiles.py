@@ -15,17 +15,20 @@ times N calls back to back per measurement (the kernels' own time, when one call
 enough that the host's time per call would show).
 
 Prints TFLOP/s per (dtype, shape, tiles); the winners go into
-cuattn/_dispatch.py (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES, MMA_F64_TILES,
-SM90_TILES, SM90_TF32_TILES, SM90_3XF16_TILES) with the measured reason.
+the family modules of cuattn/families/ (PORTABLE_TILES, MMA_TILES, MMA_F32_TILES,
+MMA_F64_TILES, SM90_TILES, SM90_TF32_TILES, SM90_3XF16_TILES) with the measured reason.
 """
 import math
 import sys
 
 import cupy as cp
 
-from cuattn._dispatch import MmaTiles, PipedTiles, Sm90Tiles, Tiles
 from cuattn.attention import _attention
 from cuattn.bench import _time
+from cuattn.families.mma import MmaTiles
+from cuattn.families.portable import Tiles
+from cuattn.families.sm90 import Sm90Tiles
+from cuattn.families.sm90_tf32 import PipedTiles
 
 CANDIDATES = {
     ("float32", 64): [Tiles(128, 64, 64, 64, 1), Tiles(128, 128, 64, 64, 1),

@@ -1,0 +1,150 @@
+"""The sm90 family (``attention_sm90.cu``, ``attention_backward_sm90.cu``): 16-bit inputs
+on the Hopper warpgroup MMA (wgmma, sm_90a), head dims to 128 (padded to a multiple of 64
+inside the kernels)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ._common import (
+    DELTA,
+    BackwardChoice,
+    Kernel,
+    KernelChoice,
+    Layout,
+    Request,
+    candidates,
+    ceil_to,
+    first_fit,
+    itemsize,
+    resident_cap,
+    side_bytes,
+)
+
+FORWARD_FILE = "attention_sm90.cu"
+BACKWARD_FILE = "attention_backward_sm90.cu"
+
+FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
+                                   "ALIGNED MIN_BLOCKS")
+DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
+                                         "MIN_BLOCKS OVERLAP STATS_AHEAD",
+              defaults={"STATS_AHEAD": False})
+DQ = Kernel("attention_bwd_dq_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N ALIGNED "
+                                     "MIN_BLOCKS OVERLAP")
+
+
+@dataclass(frozen=True)
+class Sm90Tiles:
+    block_m: int   # query rows per block: one warpgroup (128 threads) per 64 rows
+    block_n: int   # keys per tile (the N of the S = Q K^T instruction): 64 or 128
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM (caps registers)
+    stages: int = 2  # K and V tile buffers of the 16-bit kernel (the float kernels have two)
+    #: sm90_tf32: from this many query rows on (0: never; under a causal or window band half
+    #: the rows count, since each key tile then serves about half the query blocks) the
+    #: piped instance with tiles ``piped`` serves the call: K and V^T are prepared once per
+    #: call as tile images (tf32_image_k, tf32_image_vt), which the preparation's fixed cost
+    #: must win back
+    prepare_from: int = 0
+    piped: object = None  # sm90_tf32.PipedTiles
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+
+#: (largest head dim, candidate tiles in order of preference, reason).
+SM90_TILES = (
+    (64, (Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64), Sm90Tiles(64, 128), Sm90Tiles(128, 128)),
+     "H200 bf16 D64 S4096: 315.4 / 287.5 TFLOP/s, capped at 4 blocks/SM"),
+    (128, (Sm90Tiles(64, 64), Sm90Tiles(128, 128), Sm90Tiles(128, 64)),
+     "H200 bf16 D128 S4096: 398.1 / 323.8 TFLOP/s, one warpgroup"),
+)
+
+
+def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: bool = False,
+                    bias_itemsize: int = 0) -> int:
+    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements; see the .cu header):
+    Q and tiles.stages stages of K and of V, and of the mask and bias tiles."""
+    return ((tiles.block_m * head_dim + tiles.stages * tiles.block_n * (head_dim + head_dim_v)) * 2
+            + tiles.stages * side_bytes(tiles.block_m, tiles.block_n, has_mask, bias_itemsize))
+
+
+def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
+    hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
+    bias_size = itemsize(req.bias_dtype)
+    tiles, smem = first_fit(candidates(SM90_TILES, req, tiles),
+                            lambda t: sm90_smem_bytes(t, hd, hdv, req.has_mask, bias_size),
+                            req, "sm90")
+    expr = FWD(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
+               HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WG=tiles.block_m // 64,
+               STAGES=tiles.stages, ALIGNED=req.aligned,
+               MIN_BLOCKS=resident_cap(tiles.min_blocks, smem))
+    return KernelChoice("sm90", FORWARD_FILE, expr,
+                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=tiles.num_warps * 32)
+
+
+# ---- backward -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sm90BwdTiles:
+    block_m: int   # query tile of the dK/dV kernel (64 keys per block)
+    block_n: int   # key tile of the dQ kernel (64 query rows per block)
+    dkdv_min_blocks: int = 1
+    dq_min_blocks: int = 1
+    #: the overlapped forms (three stages): the next tile's S and dP are issued before this
+    #: tile's gradient products, so the element-wise part runs under them
+    dkdv_overlap: bool = False
+    dq_overlap: bool = False
+    #: the dK/dV kernel loads each query tile's lse and delta one request earlier into
+    #: registers (the plain loads make the storing warps wait for global memory before the
+    #: tile's S and dP products are issued)
+    dkdv_stats_ahead: bool = False
+
+
+#: (largest head dim, candidate tiles, reason).
+SM90_BACKWARD_TILES = (
+    (64, (Sm90BwdTiles(64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
+                       dkdv_stats_ahead=True),),
+     "H200 bf16 D64 B4 H32 S4096: 291.4 / 248.6 TFLOP/s, overlapped, stats ahead"),
+    (128, (Sm90BwdTiles(64, 64, dkdv_stats_ahead=True),),
+     "H200 bf16 D128 S4096: 350.4 / 294.0 TFLOP/s, stats ahead (overlapped spills here)"),
+)
+
+
+def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: bool = False,
+                             bias_itemsize: int = 0) -> tuple[int, int]:
+    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90 (with
+    their staged mask and bias tiles)."""
+    dkdv_stages = 3 if tiles.dkdv_overlap else 2
+    dq_stages = 3 if tiles.dq_overlap else 2
+    dkdv = ((64 * (hd + hdv) + dkdv_stages * tiles.block_m * (hd + hdv)) * 2
+            + dkdv_stages * 2 * tiles.block_m * 4
+            + dkdv_stages * side_bytes(tiles.block_m, 64, has_mask, bias_itemsize))
+    dq = ((64 + dq_stages * tiles.block_n) * (hd + hdv) * 2
+          + dq_stages * side_bytes(64, tiles.block_n, has_mask, bias_itemsize))
+    return dkdv, dq
+
+
+def backward(req: Request, tiles: Sm90BwdTiles | None = None) -> BackwardChoice:
+    hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
+    cands = candidates(SM90_BACKWARD_TILES, req, tiles)
+    if tiles is None and (req.bias_dtype is not None or req.has_mask):
+        # lse and delta a request ahead only where measured faster: with a mask and a bias
+        # both its D64 and D128 forms run 2-3 % slower, their instances spilling more
+        # (D128: 168 / 228 bytes against 68 / 108)
+        cands = tuple(replace(c, dkdv_stats_ahead=False) for c in cands)
+    bias_size = itemsize(req.bias_dtype)
+    tiles, smem = first_fit(
+        cands, lambda t: sm90_backward_smem_bytes(t, hd, hdv, req.has_mask, bias_size), req,
+        "sm90 backward")
+    g_kv, g_q = req.grad_dtypes
+    common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
+                  HEAD_DIM_V=hdv, ALIGNED=req.aligned)
+    return BackwardChoice(
+        "sm90", BACKWARD_FILE, DELTA(T=req.dtype),
+        DKDV(**common, G=g_kv, BLOCK_M=tiles.block_m,
+             MIN_BLOCKS=resident_cap(tiles.dkdv_min_blocks, smem[0]),
+             OVERLAP=tiles.dkdv_overlap, STATS_AHEAD=tiles.dkdv_stats_ahead),
+        DQ(**common, G=g_q, BLOCK_N=tiles.block_n,
+           MIN_BLOCKS=resident_cap(tiles.dq_min_blocks, smem[1]), OVERLAP=tiles.dq_overlap),
+        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
