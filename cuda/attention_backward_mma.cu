@@ -30,7 +30,7 @@
 //             SM for __launch_bounds__ (a register cap).
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
-//             swizzled as in mma_tiles.cuh; cuattn/families/mma.py computes the same numbers.
+//             swizzled as in mma_tiles.cuh; the layouts: BwdMmaDkdvSmem, BwdMmaDqSmem (layouts.cuh).
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 
@@ -52,13 +52,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     const AttnParams& p = bp.f;
 
+    using L = BwdMmaDkdvSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* k_s = reinterpret_cast<T*>(smem_raw);    // [BLOCK_N][HEAD_DIM]
-    T* v_s = k_s + BLOCK_N * HEAD_DIM;          // [BLOCK_N][HEAD_DIM_V]
-    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [2][BLOCK_M][HEAD_DIM]
-    T* do_s = q_s + 2 * Q_ELEMS;                // [2][BLOCK_M][HEAD_DIM_V]
-    float* lse_s = reinterpret_cast<float*>(do_s + 2 * DO_ELEMS);  // [2][BLOCK_M], log2 units
-    float* delta_s = lse_s + 2 * BLOCK_M;                          // [2][BLOCK_M]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);    // [BLOCK_N][HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);    // [BLOCK_N][HEAD_DIM_V]
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);    // [2][BLOCK_M][HEAD_DIM]
+    T* do_s = reinterpret_cast<T*>(smem_raw + L::do_s);  // [2][BLOCK_M][HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(smem_raw + L::lse_s);      // [2][BLOCK_M], log2
+    float* delta_s = reinterpret_cast<float*>(smem_raw + L::delta_s);  // [2][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -181,11 +182,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     const AttnParams& p = bp.f;
 
+    using L = BwdMmaDqSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][HEAD_DIM]
-    T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [BLOCK_M][HEAD_DIM_V]
-    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [2][BLOCK_N][HEAD_DIM]
-    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N][HEAD_DIM_V]
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);    // [BLOCK_M][HEAD_DIM]
+    T* do_s = reinterpret_cast<T*>(smem_raw + L::do_s);  // [BLOCK_M][HEAD_DIM_V]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);    // [2][BLOCK_N][HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);    // [2][BLOCK_N][HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys

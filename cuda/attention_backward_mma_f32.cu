@@ -42,7 +42,7 @@
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V+8)
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes;
-//             cuattn/families/mma_wide.py::mma_f32_backward_smem_bytes computes the same numbers.
+//             the layout: BwdMmaF32DkdvSmem, BwdMmaF32DqSmem (layouts.cuh, from cuattn/families/mma_wide.py).
 #include "backward.cuh"
 #include "mma_tiles.cuh"
 
@@ -158,13 +158,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     constexpr int Q_ELEMS = BLOCK_M * QP, DO_ELEMS = BLOCK_M * DOP;
     const AttnParams& p = bp.f;
 
+    using L = BwdMmaF32DkdvSmem<HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
+    static_assert(L::do_s - L::q_s == 8LL * Q_ELEMS && L::lse_s - L::do_s == 8LL * DO_ELEMS,
+                  "the pitches are the layout's");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    float* k_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_N x HEAD_DIM
-    float* v_f = k_f + BLOCK_N * HEAD_DIM;            // fragment order, BLOCK_N x HEAD_DIM_V
-    float* q_s = v_f + BLOCK_N * HEAD_DIM_V;          // [2][BLOCK_M][QP]
-    float* do_s = q_s + 2 * Q_ELEMS;                  // [2][BLOCK_M][DOP]
-    float* lse_s = do_s + 2 * DO_ELEMS;               // [2][BLOCK_M], log2 units
-    float* delta_s = lse_s + 2 * BLOCK_M;             // [2][BLOCK_M]
+    float* k_f = reinterpret_cast<float*>(smem_raw + L::k_f);  // fragment order, N x HEAD_DIM
+    float* v_f = reinterpret_cast<float*>(smem_raw + L::v_f);  // fragment order, N x HEAD_DIM_V
+    float* q_s = reinterpret_cast<float*>(smem_raw + L::q_s);          // [2][BLOCK_M][QP]
+    float* do_s = reinterpret_cast<float*>(smem_raw + L::do_s);        // [2][BLOCK_M][DOP]
+    float* lse_s = reinterpret_cast<float*>(smem_raw + L::lse_s);      // [2][BLOCK_M], log2
+    float* delta_s = reinterpret_cast<float*>(smem_raw + L::delta_s);  // [2][BLOCK_M]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -279,11 +282,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     constexpr int K_ELEMS = BLOCK_N * KP, V_ELEMS = BLOCK_N * VP;
     const AttnParams& p = bp.f;
 
+    using L = BwdMmaF32DqSmem<HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
+    static_assert(L::v_s - L::k_s == 8LL * K_ELEMS && L::BYTES - L::v_s == 8LL * V_ELEMS,
+                  "the pitches are the layout's");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    float* q_f = reinterpret_cast<float*>(smem_raw);  // fragment order, BLOCK_M x HEAD_DIM
-    float* do_f = q_f + BLOCK_M * HEAD_DIM;           // fragment order, BLOCK_M x HEAD_DIM_V
-    float* k_s = do_f + BLOCK_M * HEAD_DIM_V;         // [2][BLOCK_N][KP]
-    float* v_s = k_s + 2 * K_ELEMS;                   // [2][BLOCK_N][VP]
+    float* q_f = reinterpret_cast<float*>(smem_raw + L::q_f);    // fragment order, M x HEAD_DIM
+    float* do_f = reinterpret_cast<float*>(smem_raw + L::do_f);  // fragment order, M x HEAD_DIM_V
+    float* k_s = reinterpret_cast<float*>(smem_raw + L::k_s);    // [2][BLOCK_N][KP]
+    float* v_s = reinterpret_cast<float*>(smem_raw + L::v_s);    // [2][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // heaviest query blocks first: under causal masking the last rows see the most keys

@@ -31,7 +31,7 @@
 //             tile is re-read per chunk and the column tiles recompute the scores.
 // Shared mem: dK/dV: 2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(BLOCK_M+PAD);
 //             dQ:    2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(D_TILE+PAD) + BLOCK_M*(BLOCK_N+PAD)
-//             elements of Acc<T>, PAD = 16 bytes; cuattn/families/portable.py computes the same.
+//             elements of Acc<T>, PAD = 16 bytes; the layouts: BwdPortableDkdvSmem, BwdPortableDqSmem.
 // Reference:  cuattn/reference.py::attention_backward_reference (float64, dense) and
 //             ::attention_backward_blocked (this loop order, in NumPy).
 #include "backward.cuh"
@@ -50,13 +50,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
                   "BLOCK_M, BLOCK_N must be multiples of 16, D_TILE of 16*VEC");
     const AttnParams& p = bp.f;
 
+    using L = BwdPortableDkdvSmem<A, BLOCK_M, BLOCK_N, D_TILE>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* k_s = reinterpret_cast<A*>(smem_raw);     // [BLOCK_N][D_TILE + PAD]
-    A* v_s = k_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_N][D_TILE + PAD]
-    A* q_s = v_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_M][D_TILE + PAD]
-    A* do_s = q_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_M][D_TILE + PAD]
-    A* p_s = do_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_N][BLOCK_M + PAD]: P^T
-    A* ds_s = p_s + BLOCK_N * (BLOCK_M + PAD);   // [BLOCK_N][BLOCK_M + PAD]: dS^T
+    A* k_s = reinterpret_cast<A*>(smem_raw + L::k_s);    // [BLOCK_N][D_TILE + PAD]
+    A* v_s = reinterpret_cast<A*>(smem_raw + L::v_s);    // [BLOCK_N][D_TILE + PAD]
+    A* q_s = reinterpret_cast<A*>(smem_raw + L::q_s);    // [BLOCK_M][D_TILE + PAD]
+    A* do_s = reinterpret_cast<A*>(smem_raw + L::do_s);  // [BLOCK_M][D_TILE + PAD]
+    A* p_s = reinterpret_cast<A*>(smem_raw + L::p_s);    // [BLOCK_N][BLOCK_M + PAD]: P^T
+    A* ds_s = reinterpret_cast<A*>(smem_raw + L::ds_s);  // [BLOCK_N][BLOCK_M + PAD]: dS^T
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -173,12 +174,13 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
                   "BLOCK_M, BLOCK_N must be multiples of 16, D_TILE of 16*VEC");
     const AttnParams& p = bp.f;
 
+    using L = BwdPortableDqSmem<A, BLOCK_M, BLOCK_N, D_TILE>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* q_s = reinterpret_cast<A*>(smem_raw);     // [BLOCK_M][D_TILE + PAD]
-    A* do_s = q_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_M][D_TILE + PAD]
-    A* k_s = do_s + BLOCK_M * (D_TILE + PAD);    // [BLOCK_N][D_TILE + PAD]
-    A* v_s = k_s + BLOCK_N * (D_TILE + PAD);     // [BLOCK_N][D_TILE + PAD]
-    A* ds_s = v_s + BLOCK_N * (D_TILE + PAD);    // [BLOCK_M][BLOCK_N + PAD]
+    A* q_s = reinterpret_cast<A*>(smem_raw + L::q_s);    // [BLOCK_M][D_TILE + PAD]
+    A* do_s = reinterpret_cast<A*>(smem_raw + L::do_s);  // [BLOCK_M][D_TILE + PAD]
+    A* k_s = reinterpret_cast<A*>(smem_raw + L::k_s);    // [BLOCK_N][D_TILE + PAD]
+    A* v_s = reinterpret_cast<A*>(smem_raw + L::v_s);    // [BLOCK_N][D_TILE + PAD]
+    A* ds_s = reinterpret_cast<A*>(smem_raw + L::ds_s);  // [BLOCK_M][BLOCK_N + PAD]
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest query blocks first: under causal masking the last rows see the most keys

@@ -30,7 +30,7 @@
 //             + S*2*BLOCK_M*4 bytes;  dQ: (64 + S*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes,
 //             S = 3 stages with OVERLAP, else 2, plus the staged mask and bias tiles;
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
-//             cuattn/families/sm90.py::sm90_backward_smem_bytes computes the same numbers.
+//             the layout: BwdSm90DkdvSmem, BwdSm90DqSmem (layouts.cuh, from cuattn/families/sm90.py).
 #include "backward.cuh"
 #include "sm90_tiles.cuh"
 
@@ -50,14 +50,16 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, true>;
     const AttnParams& p = bp.f;
 
+    using L = BwdSm90DkdvSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, HAS_MASK,
+                              Side::BIAS_SIZE>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* k_s = reinterpret_cast<T*>(smem_raw);    // [64 x HEAD_DIM]
-    T* v_s = k_s + BLOCK_N * HEAD_DIM;          // [64 x HEAD_DIM_V]
-    T* q_s = v_s + BLOCK_N * HEAD_DIM_V;        // [STAGES][BLOCK_M x HEAD_DIM]
-    T* do_s = q_s + STAGES * Q_ELEMS;           // [STAGES][BLOCK_M x HEAD_DIM_V]
-    float* lse_s = reinterpret_cast<float*>(do_s + STAGES * DO_ELEMS);  // [STAGES][BLOCK_M], log2
-    float* delta_s = lse_s + STAGES * BLOCK_M;                          // [STAGES][BLOCK_M]
-    unsigned char* side_s = reinterpret_cast<unsigned char*>(delta_s + STAGES * BLOCK_M);
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);    // [64 x HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);    // [64 x HEAD_DIM_V]
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);    // [STAGES][BLOCK_M x HEAD_DIM]
+    T* do_s = reinterpret_cast<T*>(smem_raw + L::do_s);  // [STAGES][BLOCK_M x HEAD_DIM_V]
+    float* lse_s = reinterpret_cast<float*>(smem_raw + L::lse_s);      // [STAGES][BLOCK_M], log2
+    float* delta_s = reinterpret_cast<float*>(smem_raw + L::delta_s);  // [STAGES][BLOCK_M]
+    unsigned char* side_s = smem_raw + L::side_s;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
@@ -242,12 +244,14 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
     const AttnParams& p = bp.f;
 
+    using L = BwdSm90DqSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, HAS_MASK,
+                            Side::BIAS_SIZE>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);   // [64 x HEAD_DIM]
-    T* do_s = q_s + BLOCK_M * HEAD_DIM;        // [64 x HEAD_DIM_V]
-    T* k_s = do_s + BLOCK_M * HEAD_DIM_V;      // [STAGES][BLOCK_N x HEAD_DIM]
-    T* v_s = k_s + STAGES * K_ELEMS;           // [STAGES][BLOCK_N x HEAD_DIM_V]
-    unsigned char* side_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);    // [64 x HEAD_DIM]
+    T* do_s = reinterpret_cast<T*>(smem_raw + L::do_s);  // [64 x HEAD_DIM_V]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);    // [STAGES][BLOCK_N x HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);    // [STAGES][BLOCK_N x HEAD_DIM_V]
+    unsigned char* side_s = smem_raw + L::side_s;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys

@@ -78,8 +78,8 @@
 //             B = 2 with OVERLAP, else 1; W = WARPGROUPS; O = 1 with ROLES = 3, else W.
 //             Split tiles in the 16-bit
 //             128-byte-swizzle layout (Sw128<ROWS, 2>), raw tiles in the float one
-//             (Sw128<ROWS, 4>). cuattn/families/sm90_3xf16.py::sm90_3xf16_backward_smem_bytes computes
-//             the same numbers.
+//             (Sw128<ROWS, 4>). The layouts: BwdSplit16DkdvSmem, BwdSplit16DqSmem (layouts.cuh,
+//             from cuattn/families/sm90_3xf16.py).
 #include "backward.cuh"
 #include "split16.cuh"
 
@@ -112,17 +112,18 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     constexpr bool EXCHANGE = SHARED_KEYS;
     const AttnParams& p = bp.f;
 
-    __half* k_s = reinterpret_cast<__half*>(smem_raw);  // [OWNERS][hi, lo][64 x HEAD_DIM]
-    __half* v_s = k_s + OWNERS * 2 * K_ELEMS;            // [OWNERS][hi, lo][64 x HEAD_DIM_V]
-    float* q_raw = reinterpret_cast<float*>(v_s + OWNERS * 2 * V_ELEMS);  // [2][BLOCK_M x D]
-    float* do_raw = q_raw + 2 * Q_ELEMS;                // [2 stages][BLOCK_M x HEAD_DIM_V]
-    __half* q_s = reinterpret_cast<__half*>(do_raw + 2 * DO_ELEMS);  // [BUFS][2 BLOCK_M x D]
-    __half* do_s = q_s + BUFS * 2 * Q_ELEMS;             // [BUFS][2 BLOCK_M x HEAD_DIM_V]
-    float* lse_s = reinterpret_cast<float*>(do_s + BUFS * 2 * DO_ELEMS);  // [2][BLOCK_M], log2
-    float* delta_s = lse_s + 2 * BLOCK_M;                                  // [2][BLOCK_M]
+    using L = BwdSplit16DkdvSmem<HEAD_DIM, HEAD_DIM_V, BLOCK_M, OWNERS, OVERLAP, EXCHANGE>;
+    __half* k_s = reinterpret_cast<__half*>(smem_raw + L::k_s);  // [OWNERS][hi, lo][64 x D]
+    __half* v_s = reinterpret_cast<__half*>(smem_raw + L::v_s);  // [OWNERS][hi, lo][64 x Dv]
+    float* q_raw = reinterpret_cast<float*>(smem_raw + L::q_raw);    // [2][BLOCK_M x D]
+    float* do_raw = reinterpret_cast<float*>(smem_raw + L::do_raw);  // [2][BLOCK_M x Dv]
+    __half* q_s = reinterpret_cast<__half*>(smem_raw + L::q_s);    // [BUFS][2 BLOCK_M x D]
+    __half* do_s = reinterpret_cast<__half*>(smem_raw + L::do_s);  // [BUFS][2 BLOCK_M x Dv]
+    float* lse_s = reinterpret_cast<float*>(smem_raw + L::lse_s);      // [2][BLOCK_M], log2
+    float* delta_s = reinterpret_cast<float*>(smem_raw + L::delta_s);  // [2][BLOCK_M]
     // EXCHANGE: [BLOCK_M / 8][128 threads] float4: P^T times the softcap factor, in the
     // accumulator order of the dV role's thread (the dK role's thread 128 further reads it)
-    float4* pf_s = reinterpret_cast<float4*>(delta_s + 2 * BLOCK_M);
+    float4* pf_s = reinterpret_cast<float4*>(smem_raw + L::pf_s);
     static_assert(!SHARED_KEYS || DV != DK, "the exchange joins the two roles");
 
     // warpgroup wg owns keys n0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them), or
@@ -366,13 +367,14 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     constexpr int BUFS = OVERLAP ? 2 : 1;
     const AttnParams& p = bp.f;
 
+    using L = BwdSplit16DqSmem<HEAD_DIM, HEAD_DIM_V, WARPGROUPS, BLOCK_N, OVERLAP>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __half* q_s = reinterpret_cast<__half*>(smem_raw);  // [WARPGROUPS][hi, lo][64 x HEAD_DIM]
-    __half* do_s = q_s + WARPGROUPS * 2 * Q_ELEMS;       // [WARPGROUPS][hi, lo][64 x HEAD_DIM_V]
-    float* k_raw = reinterpret_cast<float*>(do_s + WARPGROUPS * 2 * DO_ELEMS);  // [2][BLOCK_N x D]
-    float* v_raw = k_raw + 2 * K_ELEMS;                  // [2 stages][BLOCK_N x HEAD_DIM_V]
-    __half* k_s = reinterpret_cast<__half*>(v_raw + 2 * V_ELEMS);  // [BUFS][2 BLOCK_N x D]
-    __half* v_s = k_s + BUFS * 2 * K_ELEMS;              // [BUFS][2 BLOCK_N x HEAD_DIM_V]
+    __half* q_s = reinterpret_cast<__half*>(smem_raw + L::q_s);    // [WARPGROUPS][hi, lo][64 x D]
+    __half* do_s = reinterpret_cast<__half*>(smem_raw + L::do_s);  // [WARPGROUPS][hi, lo][64 x Dv]
+    float* k_raw = reinterpret_cast<float*>(smem_raw + L::k_raw);  // [2][BLOCK_N x D]
+    float* v_raw = reinterpret_cast<float*>(smem_raw + L::v_raw);  // [2][BLOCK_N x Dv]
+    __half* k_s = reinterpret_cast<__half*>(smem_raw + L::k_s);    // [BUFS][2 BLOCK_N x D]
+    __half* v_s = reinterpret_cast<__half*>(smem_raw + L::v_s);    // [BUFS][2 BLOCK_N x Dv]
 
     // warpgroup wg owns rows m0 + 64 wg .. + 63 (its warp w: 16 w .. 16 w + 15 of them)
     const int wg = WARPGROUPS == 1 ? 0 : threadIdx.x / 128, lane = threadIdx.x % 32;

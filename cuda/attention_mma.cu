@@ -26,7 +26,7 @@
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
-//             cuattn/families/mma.py::mma_smem_bytes computes the same number.
+//             the layout: FwdMmaSmem (layouts.cuh, from cuattn/families/mma.py).
 #include "mma_softmax.cuh"
 #include "mma_tiles.cuh"
 
@@ -42,10 +42,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
                   "head dims are padded to multiples of 64, key tiles to multiples of 16");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
+    using L = FwdMmaSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][HEAD_DIM]
-    T* k_s = q_s + BLOCK_M * HEAD_DIM;         // [2][BLOCK_N][HEAD_DIM]
-    T* v_s = k_s + 2 * K_ELEMS;                // [2][BLOCK_N][HEAD_DIM_V]
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);  // [BLOCK_M][HEAD_DIM]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);  // [2][BLOCK_N][HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);  // [2][BLOCK_N][HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)

@@ -42,7 +42,7 @@
 //             loads (double: 2 rows x 4 lanes; float: 64-bit loads of 4 rows x 4 lanes per
 //             half-warp) hit distinct banks, and HEAD_DIM_V+V_PAD puts V rows 2t, 2t+1 of the
 //             B loads in distinct banks.
-//             cuattn/families/mma_wide.py::mma_wide_smem_bytes computes the same number.
+//             the layout: FwdMmaWideSmem (layouts.cuh, from cuattn/families/mma_wide.py).
 #include "mma_softmax.cuh"
 #include "mma_tiles.cuh"
 
@@ -197,10 +197,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                   "head dims are padded to multiples of 32, key tiles to multiples of 8");
     constexpr int K_ELEMS = BLOCK_N * KP, V_ELEMS = BLOCK_N * VP;
 
+    using L = FwdMmaWideSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
+    static_assert(L::k_s == (long long)sizeof(T) * (BLOCK_M / 2 * QP2) &&
+                      L::v_s - L::k_s == (long long)sizeof(T) * 2 * BLOCK_N * KP &&
+                      L::BYTES - L::v_s == (long long)sizeof(T) * 2 * BLOCK_N * VP,
+                  "the pitches are the layout's");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M / 2][QP2]
-    T* k_s = q_s + BLOCK_M / 2 * QP2;         // [2][BLOCK_N][KP]
-    T* v_s = k_s + 2 * K_ELEMS;               // [2][BLOCK_N][VP]
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);  // [BLOCK_M / 2][QP2]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);  // [2][BLOCK_N][KP]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);  // [2][BLOCK_N][VP]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)

@@ -32,7 +32,7 @@
 // Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
 //             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
 //             2*BLOCK_N*(D_TILE+PAD) + BLOCK_N*(DV_TILE+PAD) when PIPELINED;
-//             cuattn/families/portable.py::portable_smem_bytes computes the same number.
+//             the layout: FwdPortableSmem (layouts.cuh, from cuattn/families/portable.py).
 // Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
 //             (this loop, in NumPy).
 #include "portable_tiles.cuh"
@@ -146,18 +146,17 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     constexpr int VEC = 16 / sizeof(A);
     constexpr int PAD = VEC;
     constexpr int TM = BLOCK_M / 16, TN = BLOCK_N / 16, TV = DV_TILE / 16;
-    constexpr int KV_COLS = D_TILE > DV_TILE ? D_TILE : DV_TILE;
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % 16 == 0 &&
                   DV_TILE % (16 * VEC) == 0, "tile sizes must be multiples of 16 (DV_TILE of 16*VEC)");
 
     // Shared memory. Pipelined: Q, two K stages, one V buffer, P. Otherwise: Q, one buffer
     // that holds K and then V, P.
-    constexpr int K_ELEMS = BLOCK_N * (D_TILE + PAD), V_ELEMS = BLOCK_N * (DV_TILE + PAD);
-    constexpr int KV_ELEMS = PIPELINED ? 2 * K_ELEMS + V_ELEMS : BLOCK_N * (KV_COLS + PAD);
+    constexpr int K_ELEMS = BLOCK_N * (D_TILE + PAD);
+    using L = FwdPortableSmem<A, BLOCK_M, BLOCK_N, D_TILE, DV_TILE, PIPELINED>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* q_s = reinterpret_cast<A*>(smem_raw);                // [BLOCK_M][D_TILE + PAD]
-    A* kv_s = q_s + BLOCK_M * (D_TILE + PAD);               // see above
-    A* p_s = kv_s + KV_ELEMS;                               // [BLOCK_M][BLOCK_N + PAD]
+    A* q_s = reinterpret_cast<A*>(smem_raw + L::q_s);    // [BLOCK_M][D_TILE + PAD]
+    A* kv_s = reinterpret_cast<A*>(smem_raw + L::kv_s);  // see above
+    A* p_s = reinterpret_cast<A*>(smem_raw + L::p_s);    // [BLOCK_M][BLOCK_N + PAD]
 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     // heaviest query blocks first: under causal masking the last rows see the most keys
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
 //             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
 //             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
-//             cuattn/families/portable.py::portable_smem_bytes computes the same number.
+//             the layout: FwdPortableWarpsSmem (layouts.cuh, from cuattn/families/portable.py).
 // The stale max (double only): a tile whose scores all lie within LAZY_LOG2 (log2 units)
 // above their row's m is summed against that m as it stands: terms up to 2^LAZY_LOG2, far
 // inside double's range, and acc / l and m ln 2 + log l unchanged. m stays the max of the
@@ -357,11 +356,12 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     static_assert(HEAD_DIM % VEC == 0 && HEAD_DIM_V % (8 * VEC) == 0 && BLOCK_N % 8 == 0 &&
                       BLOCK_N % VEC == 0, "tile shapes of the warp-tiled form");
 
+    using L = FwdPortableWarpsSmem<A, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, LOCKSTEP>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* q_s = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][QP]
-    A* k_s = q_s + BLOCK_M * QP;              // [KS][BLOCK_N][QP]
-    A* v_s = k_s + KS * K_ELEMS;              // [VS][BLOCK_N][VP]
-    A* p_s = v_s + VS * V_ELEMS;              // [BLOCK_M][PP]: 16 rows per warp
+    A* q_s = reinterpret_cast<A*>(smem_raw + L::q_s);  // [BLOCK_M][QP]
+    A* k_s = reinterpret_cast<A*>(smem_raw + L::k_s);  // [KS][BLOCK_N][QP]
+    A* v_s = reinterpret_cast<A*>(smem_raw + L::v_s);  // [VS][BLOCK_N][VP]
+    A* p_s = reinterpret_cast<A*>(smem_raw + L::p_s);  // [BLOCK_M][PP]: 16 rows per warp
 
     // lane bits (b4 .. b0) = (ly1, lx2, lx1, ly0, lx0): lanes n and n ^ 1 read the same Q and
     // P addresses, lanes n and n ^ 2 the same K and V addresses, so that each 16-byte load

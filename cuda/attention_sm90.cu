@@ -23,7 +23,7 @@
 //             every tile in the canonical 128-byte-swizzle layout of wgmma: 64-column
 //             groups stored one after another, each group's rows 128 bytes apart with
 //             16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned.
-//             cuattn/families/sm90.py::sm90_smem_bytes computes the same number.
+//             the layout: FwdSm90Smem (layouts.cuh, from cuattn/families/sm90.py).
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
 //             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
@@ -52,11 +52,13 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     // the mask and bias tiles of a key tile, staged with its K and V (mma_tiles.cuh)
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
 
+    using L = FwdSm90Smem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, HAS_MASK,
+                          Side::BIAS_SIZE>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
-    T* k_s = q_s + NUM_WG * Q_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM]
-    T* v_s = k_s + STAGES * K_ELEMS;          // [STAGES][BLOCK_N x HEAD_DIM_V]
-    unsigned char* side_s = reinterpret_cast<unsigned char*>(v_s + STAGES * V_ELEMS);
+    T* q_s = reinterpret_cast<T*>(smem_raw + L::q_s);  // [NUM_WG][64 x HEAD_DIM]
+    T* k_s = reinterpret_cast<T*>(smem_raw + L::k_s);  // [STAGES][BLOCK_N x HEAD_DIM]
+    T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);  // [STAGES][BLOCK_N x HEAD_DIM_V]
+    unsigned char* side_s = smem_raw + L::side_s;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)

@@ -25,7 +25,7 @@
 // Shared mem: (NUM_WG*2*64*HEAD_DIM + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V)) * 2
 //             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V) * 4 bytes: Q (hi, lo; per warpgroup), the
 //             stacked split K and V tiles, two raw stages of K and V;
-//             cuattn/families/sm90_3xf16.py::sm90_3xf16_smem_bytes computes the same number.
+//             the layout: FwdSplit16Smem (layouts.cuh, from cuattn/families/sm90_3xf16.py).
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32 or
 //             64); NUM_WG (1 or 2); ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
@@ -52,12 +52,13 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                   "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
+    using L = FwdSplit16Smem<HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __half* q_s = reinterpret_cast<__half*>(smem_raw);  // [NUM_WG][hi, lo][64 x HEAD_DIM]
-    __half* k_s = q_s + NUM_WG * 2 * Q_ELEMS;            // [2 BLOCK_N x HEAD_DIM]: hi; lo rows
-    __half* v_s = k_s + 2 * K_ELEMS;                      // [2 BLOCK_N x HEAD_DIM_V]
-    float* k_raw = reinterpret_cast<float*>(v_s + 2 * V_ELEMS);  // [2 stages][BLOCK_N x D]
-    float* v_raw = k_raw + 2 * K_ELEMS;                          // [2 stages][BLOCK_N x Dv]
+    __half* q_s = reinterpret_cast<__half*>(smem_raw + L::q_s);  // [NUM_WG][hi, lo][64 x D]
+    __half* k_s = reinterpret_cast<__half*>(smem_raw + L::k_s);  // [2 BLOCK_N x D]: hi; lo rows
+    __half* v_s = reinterpret_cast<__half*>(smem_raw + L::v_s);  // [2 BLOCK_N x HEAD_DIM_V]
+    float* k_raw = reinterpret_cast<float*>(smem_raw + L::k_raw);  // [2 stages][BLOCK_N x D]
+    float* v_raw = reinterpret_cast<float*>(smem_raw + L::v_raw);  // [2 stages][BLOCK_N x Dv]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)

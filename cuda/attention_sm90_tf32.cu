@@ -32,7 +32,7 @@
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * 4 bytes: Q,
 //             two stages of K, the V staging tile and V^T, every tile in the
 //             128-byte-swizzle layout of wgmma (sm90_tiles.cuh) with 32-float column groups.
-//             cuattn/families/sm90_tf32.py::sm90_tf32_smem_bytes computes the same number.
+//             the layout: FwdSm90Tf32Smem (layouts.cuh, from cuattn/families/sm90_tf32.py).
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
 //             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "mma_softmax.cuh"
@@ -52,11 +52,12 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                   "wgmma shapes of wgmma.cuh");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
 
+    using L = FwdSm90Tf32Smem<HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
-    float* k_s = q_s + NUM_WG * Q_ELEMS;              // [2][BLOCK_N x HEAD_DIM]
-    float* v_s = k_s + 2 * K_ELEMS;                   // [BLOCK_N x HEAD_DIM_V], as stored
-    float* vt_s = v_s + V_ELEMS;                      // [HEAD_DIM_V x BLOCK_N]
+    float* q_s = reinterpret_cast<float*>(smem_raw + L::q_s);    // [NUM_WG][64 x HEAD_DIM]
+    float* k_s = reinterpret_cast<float*>(smem_raw + L::k_s);    // [2][BLOCK_N x HEAD_DIM]
+    float* v_s = reinterpret_cast<float*>(smem_raw + L::v_s);    // [BLOCK_N x HEAD_DIM_V]
+    float* vt_s = reinterpret_cast<float*>(smem_raw + L::vt_s);  // [HEAD_DIM_V x BLOCK_N]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
 // same order on the same operands); with 192-row blocks too where no band is set (a band
 // can make a tile masked for one block height and interior for the other: mask_scores).
 // Shared mem: (NUM_WG * 64 * HEAD_DIM + STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)) * 4
-// bytes + 16 * STAGES bytes of barriers (cuattn/families/sm90_tf32.py::sm90_piped_smem_bytes).
+// bytes + 16 * STAGES bytes of barriers (FwdSm90PipedSmem in layouts.cuh).
 template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int NUM_WG,
           int STAGES, bool QREG, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
@@ -304,11 +305,14 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
                   VT_ELEMS = HEAD_DIM_V * BLOCK_N;
     constexpr unsigned K_BYTES = K_ELEMS * 4, SLOT_BYTES = (K_ELEMS + VT_ELEMS) * 4;
 
+    using L = FwdSm90PipedSmem<HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES>;
+    static_assert(L::full - L::slots == (long long)STAGES * SLOT_BYTES, "a slot's bytes");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [NUM_WG][64 x HEAD_DIM]
-    float* slots = q_s + NUM_WG * Q_ELEMS;             // [STAGES][K tile, V^T tile]
-    const unsigned full = smem_addr(slots + STAGES * (K_ELEMS + VT_ELEMS)),
-                   empty = full + 8 * STAGES;  // [STAGES] barriers each
+    float* q_s = reinterpret_cast<float*>(smem_raw + L::q_s);      // [NUM_WG][64 x HEAD_DIM]
+    float* slots = reinterpret_cast<float*>(smem_raw + L::slots);  // [STAGES][K, V^T tiles]
+    static_assert(L::empty - L::full == 8 * STAGES, "one 8-byte barrier a slot");
+    const unsigned full = smem_addr(smem_raw + L::full),  // [STAGES] barriers each
+                   empty = full + 8 * STAGES;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const ForwardBlock<float, BiasT> blk = forward_block<float, BiasT>(p, BLOCK_M);

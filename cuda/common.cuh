@@ -14,6 +14,9 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// the kernels' shared-memory layouts, generated from cuattn/families
+#include "layouts.cuh"
+
 namespace cuattn {
 
 // ---- numeric traits ---------------------------------------------------------------
@@ -161,8 +164,8 @@ template <typename E, bool KEYS_ARE_ROWS> struct TileView {
 };
 
 // ---- attention parameter block ------------------------------------------------------
-// Passed by value. Every field is 8 bytes so that the C++ layout and the NumPy structured
-// dtype in cuattn/_kernels.py agree without padding rules. Pointers are device addresses
+// Passed by value. cuattn/_params.py reads this struct's fields into a NumPy structured dtype;
+// every field is 8 bytes, so no padding rule can differ. Pointers are device addresses
 // (0 = argument absent). Strides are in elements, per axis: three collapsed batch axes,
 // then the row axis, then the column axis; a broadcast axis has stride 0.
 struct Strides {

@@ -226,10 +226,10 @@ __device__ __forceinline__ void for_own_chunks(At at, F f) {
     }
 }
 
-// Row pitch of a staged mask or bias tile of COLS elements: its 16-byte chunks, one more
-// for a misaligned start.
+// Row pitch of a staged mask or bias tile of COLS elements (layouts.cuh side_pitch_bytes:
+// its 16-byte chunks, one more for a misaligned start).
 template <typename E, int COLS> constexpr int side_pitch() {
-    return 16 * ((COLS * (int)sizeof(E)) / 16 + 1);
+    return side_pitch_bytes((int)sizeof(E), COLS);
 }
 
 // A mask or bias tile for the element-wise passes (TileView, common.cuh): queries q0 ..
@@ -268,7 +268,7 @@ __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src
 
 // The staged mask and bias of a kernel (the sm90 16-bit forward and backward): STAGES
 // stages of ROWS queries x COLS keys at `smem`, the mask's stages first (STAGES x (M_BYTES
-// + B_BYTES) bytes; cuattn/families/_common.py::side_bytes per stage), for the block's
+// + B_BYTES) bytes; SIDE in cuattn/families/sm90.py per stage), for the block's
 // mask and bias (at its batch entry). `staged`: this call's mask and bias are of unit
 // column stride with rows 16 bytes apart (or one row for every query), so the passes read
 // them from the stages (request, then mask_view / bias_view); other layouts are read where
@@ -280,6 +280,7 @@ struct SideTiles {
     // (an enum, not static data members, which NVRTC would emit as unused globals)
     enum : int {
         HAS_BIAS = !is_same_v<BiasT, NoBias>,
+        BIAS_SIZE = HAS_BIAS ? (int)sizeof(BiasT) : 0,  // the layouts' (layouts.cuh)
         M_PITCH = side_pitch<unsigned char, COLS>(),
         B_PITCH = side_pitch<BiasT, COLS>(),
         M_BYTES = HAS_MASK ? ROWS * M_PITCH : 0,  // a stage's mask tile

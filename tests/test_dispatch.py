@@ -466,3 +466,33 @@ def test_a_template_signature_takes_every_parameter_by_name():
         k(T=F16, HAS_MASK=True, N=64)
     with pytest.raises(TypeError, match="unknown"):
         k(T=F16, HAS_MASK=True, N=64, LAST=True, EXTRA=1)
+
+
+def test_shared_memory_layouts_header_is_generated_from_the_families(capsys):
+    """cuda/layouts.cuh is written by tools/gen_layouts.py from the Layout descriptions that
+    dispatch sizes shared memory with: a hand edit or a stale copy fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    from cuattn._kernels import kernel_dir
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_layouts", root / "tools" / "gen_layouts.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.main()
+    assert capsys.readouterr().out == (kernel_dir() / "layouts.cuh").read_text()
+
+
+def test_a_layout_is_evaluated_as_its_cpp_text_reads():
+    from cuattn.families._layout import Layout, to_cpp
+    layout = Layout("L", "typename T, int N, bool TWO", (
+        ("a", "T", "N * 2 if TWO else N"),
+        ("b", "float", "max(N, 3) + side_pitch(2, N) // 16"),
+    ))
+    assert layout.offsets(T=8, N=5, TWO=True) == {"a": 0, "b": 80, "BYTES": 80 + 4 * (5 + 1)}
+    assert layout.bytes(T=2, N=1, TWO=False) == 2 + 4 * (3 + 1)
+    assert to_cpp("N * 2 if TWO else N // T_SIZE", ("T",)) == \
+        "(TWO ? (N * 2) : (N / (int)sizeof(T)))"
+    assert "b = a + (long long)sizeof(T) * (TWO ? (N * 2) : N)," in layout.cpp()
+    with pytest.raises(TypeError):
+        layout.bytes(T=2, N=1)

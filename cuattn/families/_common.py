@@ -72,7 +72,7 @@ def template_arg(value) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class BlockTiles:
     """The block decomposition a forward instance was built for: query rows per block
     (``block_m``), keys per tile (``block_n``), and the head-dim tiles."""
     block_m: int
@@ -88,7 +88,7 @@ class KernelChoice:
     family: str
     filename: str
     name_expression: str
-    tiles: object   # the family's tile record, or a Layout with block_m and block_n
+    tiles: object   # the family's tile record, or a BlockTiles
     d_tile: int
     dv_tile: int    # output columns per block: the grid splits wider Dv
     shared_mem: int

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from ._common import (
     DELTA,
     BackwardChoice,
+    BlockTiles,
     Kernel,
     KernelChoice,
-    Layout,
     Request,
     candidates,
     ceil_to,
     first_fit,
 )
+from ._layout import Layout
 
 FORWARD_FILE = "attention_mma.cu"
 BACKWARD_FILE = "attention_backward_mma.cu"
@@ -51,9 +52,19 @@ MMA_TILES = (
 )
 
 
+#: attention_fwd_mma: Q, two stages of K and of V (row-swizzled, mma_tiles.cuh)
+FWD_SMEM = Layout("FwdMmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, "
+                  "int BLOCK_N", (
+    ("q_s", "T", "BLOCK_M * HEAD_DIM"),
+    ("k_s", "T", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_s", "T", "2 * BLOCK_N * HEAD_DIM_V"),
+))
+
+
 def mma_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
-    """Dynamic shared memory of attention_fwd_mma (see the .cu header)."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * itemsize
+    """Dynamic shared memory of attention_fwd_mma (FWD_SMEM)."""
+    return FWD_SMEM.bytes(T=itemsize, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
 
 
 def forward(req: Request, tiles: MmaTiles | None = None) -> KernelChoice:
@@ -64,7 +75,7 @@ def forward(req: Request, tiles: MmaTiles | None = None) -> KernelChoice:
                HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.num_warps,
                M_TILES=tiles.m_tiles, ALIGNED=req.aligned, MIN_BLOCKS=tiles.min_blocks)
     return KernelChoice("mma", FORWARD_FILE, expr,
-                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32)
 
 
@@ -98,12 +109,32 @@ MMA_BACKWARD_TILES = (
 )
 
 
+#: attention_bwd_dkdv_mma: the block's K and V, two stages of Q, dO, lse and delta
+DKDV_SMEM = Layout("BwdMmaDkdvSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, "
+                   "int BLOCK_N", (
+    ("k_s", "T", "BLOCK_N * HEAD_DIM"),
+    ("v_s", "T", "BLOCK_N * HEAD_DIM_V"),
+    ("q_s", "T", "2 * BLOCK_M * HEAD_DIM"),
+    ("do_s", "T", "2 * BLOCK_M * HEAD_DIM_V"),
+    ("lse_s", "float", "2 * BLOCK_M"),
+    ("delta_s", "float", "2 * BLOCK_M"),
+))
+#: attention_bwd_dq_mma: the block's Q and dO, two stages of K and V
+DQ_SMEM = Layout("BwdMmaDqSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, "
+                 "int BLOCK_N", (
+    ("q_s", "T", "BLOCK_M * HEAD_DIM"),
+    ("do_s", "T", "BLOCK_M * HEAD_DIM_V"),
+    ("k_s", "T", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_s", "T", "2 * BLOCK_N * HEAD_DIM_V"),
+))
+
+
 def mma_backward_smem_bytes(tiles: MmaBwdTiles, hd: int, hdv: int) -> tuple[int, int]:
     """Dynamic shared memory of attention_bwd_dkdv_mma and attention_bwd_dq_mma."""
-    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv)) * 2 \
-        + 2 * 2 * tiles.block_m * 4
-    dq = (16 * tiles.dq_warps + 2 * tiles.block_n) * (hd + hdv) * 2
-    return dkdv, dq
+    return (DKDV_SMEM.bytes(T=2, HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=tiles.block_m,
+                            BLOCK_N=16 * tiles.dkdv_warps),
+            DQ_SMEM.bytes(T=2, HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=16 * tiles.dq_warps,
+                          BLOCK_N=tiles.block_n))
 
 
 def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:

@@ -11,14 +11,15 @@ import numpy as np
 from ._common import (
     DELTA,
     BackwardChoice,
+    BlockTiles,
     Kernel,
     KernelChoice,
-    Layout,
     Request,
     candidates,
     ceil_to,
     first_fit,
 )
+from ._layout import Layout
 from .mma import MmaBwdTiles, MmaTiles
 
 FORWARD_FILE = "attention_mma_wide.cu"
@@ -52,11 +53,20 @@ MMA_F64_TILES = (
 )
 
 
+#: attention_fwd_mma_wide: Q as row pairs, two stages of K and of V, each row padded so that
+#: the fragment loads spread over the banks (the .cu header)
+FWD_SMEM = Layout("FwdMmaWideSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, "
+                  "int BLOCK_N", (
+    ("q_s", "T", "BLOCK_M // 2 * (2 * HEAD_DIM + (2 if T_SIZE == 8 else 16))"),
+    ("k_s", "T", "2 * BLOCK_N * (HEAD_DIM + 8)"),
+    ("v_s", "T", "2 * BLOCK_N * (HEAD_DIM_V + 16 // T_SIZE)"),
+))
+
+
 def mma_wide_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int) -> int:
-    """Dynamic shared memory of attention_fwd_mma_wide (see the .cu header)."""
-    q_pair_pitch = 2 * head_dim + (2 if itemsize == 8 else 16)
-    return (tiles.block_m // 2 * q_pair_pitch + 2 * tiles.block_n * (head_dim + 8)
-            + 2 * tiles.block_n * (head_dim_v + 16 // itemsize)) * itemsize
+    """Dynamic shared memory of attention_fwd_mma_wide (FWD_SMEM)."""
+    return FWD_SMEM.bytes(T=itemsize, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
 
 
 def _forward(family: str, table, req: Request, tiles: MmaTiles | None) -> KernelChoice:
@@ -68,7 +78,7 @@ def _forward(family: str, table, req: Request, tiles: MmaTiles | None) -> Kernel
                HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.num_warps,
                M_TILES=tiles.m_tiles, MIN_BLOCKS=tiles.min_blocks, ALIGNED=req.aligned)
     return KernelChoice(family, FORWARD_FILE, expr,
-                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32)
 
 
@@ -100,12 +110,31 @@ MMA_F32_BACKWARD_TILES = (
 del F
 
 
+#: attention_bwd_dkdv_mma_f32: the block's K and V in fragment order, two stages of Q and
+#: dO (rows padded by 4), lse and delta
+DKDV_SMEM = Layout("BwdMmaF32DkdvSmem", "int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N", (
+    ("k_f", "float", "BLOCK_N * HEAD_DIM"),
+    ("v_f", "float", "BLOCK_N * HEAD_DIM_V"),
+    ("q_s", "float", "2 * BLOCK_M * (HEAD_DIM + 4)"),
+    ("do_s", "float", "2 * BLOCK_M * (HEAD_DIM_V + 4)"),
+    ("lse_s", "float", "2 * BLOCK_M"),
+    ("delta_s", "float", "2 * BLOCK_M"),
+))
+#: attention_bwd_dq_mma_f32: the block's Q and dO in fragment order, two stages of K and V
+DQ_SMEM = Layout("BwdMmaF32DqSmem", "int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N", (
+    ("q_f", "float", "BLOCK_M * HEAD_DIM"),
+    ("do_f", "float", "BLOCK_M * HEAD_DIM_V"),
+    ("k_s", "float", "2 * BLOCK_N * (HEAD_DIM + 4)"),
+    ("v_s", "float", "2 * BLOCK_N * (HEAD_DIM_V + 4)"),
+))
+
+
 def mma_f32_backward_smem_bytes(tiles: MmaF32BwdTiles, hd: int, hdv: int) -> tuple[int, int]:
     """Dynamic shared memory of attention_bwd_dkdv_mma_f32 and attention_bwd_dq_mma_f32."""
-    dkdv = (16 * tiles.dkdv_warps * (hd + hdv) + 2 * tiles.block_m * (hd + hdv + 8)
-            + 2 * 2 * tiles.block_m) * 4
-    dq = (16 * tiles.dq_warps * (hd + hdv) + 2 * tiles.block_n * (hd + hdv + 8)) * 4
-    return dkdv, dq
+    return (DKDV_SMEM.bytes(HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=tiles.block_m,
+                            BLOCK_N=16 * tiles.dkdv_warps),
+            DQ_SMEM.bytes(HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=16 * tiles.dq_warps,
+                          BLOCK_N=tiles.block_n))
 
 
 def backward_f32(req: Request, tiles: MmaF32BwdTiles | None = None) -> BackwardChoice:

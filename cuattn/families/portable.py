@@ -16,6 +16,7 @@ from ._common import (
     first_fit,
     pow2_at_least,
 )
+from ._layout import Layout
 
 FORWARD_FILE = "attention_portable.cu"
 BACKWARD_FILE = "attention_backward_portable.cu"
@@ -73,21 +74,36 @@ def _acc_itemsize(dtype) -> int:
     return 8 if np.dtype(dtype).name == "float64" else 4
 
 
+#: attention_fwd_portable, in elements of the accumulator type A with rows padded by 16
+#: bytes: Q, then (pipelined) two stages of K and one V buffer, or one buffer that holds K
+#: and then V, then P
+FWD_SMEM = Layout("FwdPortableSmem", "typename A, int BLOCK_M, int BLOCK_N, int D_TILE, "
+                  "int DV_TILE, bool PIPELINED", (
+    ("q_s", "A", "BLOCK_M * (D_TILE + 16 // A_SIZE)"),
+    ("kv_s", "A", "2 * BLOCK_N * (D_TILE + 16 // A_SIZE) + BLOCK_N * (DV_TILE + 16 // A_SIZE) "
+                  "if PIPELINED else BLOCK_N * (max(D_TILE, DV_TILE) + 16 // A_SIZE)"),
+    ("p_s", "A", "BLOCK_M * (BLOCK_N + 16 // A_SIZE)"),
+))
+#: attention_fwd_portable_warps: Q, two stages of K and three of V (one each in lockstep), P
+FWD_WARPS_SMEM = Layout("FwdPortableWarpsSmem", "typename A, int HEAD_DIM, int HEAD_DIM_V, "
+                        "int BLOCK_M, int BLOCK_N, bool LOCKSTEP", (
+    ("q_s", "A", "BLOCK_M * (HEAD_DIM + 16 // A_SIZE)"),
+    ("k_s", "A", "(1 if LOCKSTEP else 2) * BLOCK_N * (HEAD_DIM + 16 // A_SIZE)"),
+    ("v_s", "A", "(1 if LOCKSTEP else 3) * BLOCK_N * (HEAD_DIM_V + 16 // A_SIZE)"),
+    ("p_s", "A", "BLOCK_M * (BLOCK_N + 16 // A_SIZE)"),
+))
+
+
 def portable_smem_bytes(tiles: Tiles, d_tile: int, dv_tile: int, acc_itemsize: int,
                         pipelined: bool) -> int:
-    """Dynamic shared memory of attention_fwd_portable (see the .cu header)."""
-    pad = 16 // acc_itemsize
-    if tiles.warps:  # Q, two stages of K, three of V (one each in lockstep), P
-        k_stages, v_stages = (1, 1) if tiles.lockstep else (2, 3)
-        return (tiles.block_m * (d_tile + pad) + k_stages * tiles.block_n * (d_tile + pad)
-                + v_stages * tiles.block_n * (dv_tile + pad)
-                + tiles.block_m * (tiles.block_n + pad)) * acc_itemsize
-    if pipelined:
-        kv = 2 * tiles.block_n * (d_tile + pad) + tiles.block_n * (dv_tile + pad)
-    else:
-        kv = tiles.block_n * (max(d_tile, dv_tile) + pad)
-    elems = tiles.block_m * (d_tile + pad) + kv + tiles.block_m * (tiles.block_n + pad)
-    return elems * acc_itemsize
+    """Dynamic shared memory of attention_fwd_portable or, for warp tiles,
+    attention_fwd_portable_warps (FWD_SMEM, FWD_WARPS_SMEM)."""
+    if tiles.warps:
+        return FWD_WARPS_SMEM.bytes(A=acc_itemsize, HEAD_DIM=d_tile, HEAD_DIM_V=dv_tile,
+                                    BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                                    LOCKSTEP=tiles.lockstep)
+    return FWD_SMEM.bytes(A=acc_itemsize, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                          D_TILE=d_tile, DV_TILE=dv_tile, PIPELINED=pipelined)
 
 
 def _layout(tiles: Tiles, req: Request) -> tuple[int, int, bool]:
@@ -158,13 +174,30 @@ BACKWARD_TILES = (
 )
 
 
+#: attention_bwd_dkdv (elements of A, rows padded by 16 bytes): K, V, Q, dO, P^T, dS^T
+DKDV_SMEM = Layout("BwdPortableDkdvSmem", "typename A, int BLOCK_M, int BLOCK_N, int D_TILE", (
+    ("k_s", "A", "BLOCK_N * (D_TILE + 16 // A_SIZE)"),
+    ("v_s", "A", "BLOCK_N * (D_TILE + 16 // A_SIZE)"),
+    ("q_s", "A", "BLOCK_M * (D_TILE + 16 // A_SIZE)"),
+    ("do_s", "A", "BLOCK_M * (D_TILE + 16 // A_SIZE)"),
+    ("p_s", "A", "BLOCK_N * (BLOCK_M + 16 // A_SIZE)"),
+    ("ds_s", "A", "BLOCK_N * (BLOCK_M + 16 // A_SIZE)"),
+))
+#: attention_bwd_dq: Q, dO, K, V, dS
+DQ_SMEM = Layout("BwdPortableDqSmem", "typename A, int BLOCK_M, int BLOCK_N, int D_TILE", (
+    ("q_s", "A", "BLOCK_M * (D_TILE + 16 // A_SIZE)"),
+    ("do_s", "A", "BLOCK_M * (D_TILE + 16 // A_SIZE)"),
+    ("k_s", "A", "BLOCK_N * (D_TILE + 16 // A_SIZE)"),
+    ("v_s", "A", "BLOCK_N * (D_TILE + 16 // A_SIZE)"),
+    ("ds_s", "A", "BLOCK_M * (BLOCK_N + 16 // A_SIZE)"),
+))
+
+
 def backward_smem_bytes(tiles: BwdTiles, d_tile: int, acc_itemsize: int) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv and attention_bwd_dq (the .cu header)."""
-    pad = 16 // acc_itemsize
-    bm, bn = tiles.block_m, tiles.block_n
-    dkdv = 2 * bn * (d_tile + pad) + 2 * bm * (d_tile + pad) + 2 * bn * (bm + pad)
-    dq = 2 * bm * (d_tile + pad) + 2 * bn * (d_tile + pad) + bm * (bn + pad)
-    return dkdv * acc_itemsize, dq * acc_itemsize
+    """Dynamic shared memory of attention_bwd_dkdv and attention_bwd_dq (DKDV_SMEM,
+    DQ_SMEM)."""
+    sizes = dict(A=acc_itemsize, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, D_TILE=d_tile)
+    return DKDV_SMEM.bytes(**sizes), DQ_SMEM.bytes(**sizes)
 
 
 def backward(req: Request, tiles: BwdTiles | None = None) -> BackwardChoice:

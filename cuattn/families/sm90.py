@@ -8,17 +8,17 @@ from dataclasses import dataclass, replace
 from ._common import (
     DELTA,
     BackwardChoice,
+    BlockTiles,
     Kernel,
     KernelChoice,
-    Layout,
     Request,
     candidates,
     ceil_to,
     first_fit,
     itemsize,
     resident_cap,
-    side_bytes,
 )
+from ._layout import Layout
 
 FORWARD_FILE = "attention_sm90.cu"
 BACKWARD_FILE = "attention_backward_sm90.cu"
@@ -60,12 +60,27 @@ SM90_TILES = (
 )
 
 
+#: the staged mask and bias tiles of STAGES stages of ROWS x COLS (mma_tiles.cuh SideTiles;
+#: BIAS_SIZE 0: no bias)
+SIDE = ("STAGES * ((ROWS * side_pitch(1, COLS) if HAS_MASK else 0) "
+        "+ (ROWS * side_pitch(BIAS_SIZE, COLS) if BIAS_SIZE > 0 else 0))")
+
+#: attention_fwd_sm90: Q, STAGES stages of K and V, and of the mask and bias tiles
+FWD_SMEM = Layout("FwdSm90Smem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int ROWS, int COLS, "
+                  "int STAGES, bool HAS_MASK, int BIAS_SIZE", (
+    ("q_s", "T", "ROWS * HEAD_DIM"),
+    ("k_s", "T", "STAGES * COLS * HEAD_DIM"),
+    ("v_s", "T", "STAGES * COLS * HEAD_DIM_V"),
+    ("side_s", "unsigned char", SIDE),
+))
+
+
 def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: bool = False,
                     bias_itemsize: int = 0) -> int:
-    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements; see the .cu header):
-    Q and tiles.stages stages of K and of V, and of the mask and bias tiles."""
-    return ((tiles.block_m * head_dim + tiles.stages * tiles.block_n * (head_dim + head_dim_v)) * 2
-            + tiles.stages * side_bytes(tiles.block_m, tiles.block_n, has_mask, bias_itemsize))
+    """Dynamic shared memory of attention_fwd_sm90 (16-bit elements, FWD_SMEM)."""
+    return FWD_SMEM.bytes(T=2, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, ROWS=tiles.block_m,
+                          COLS=tiles.block_n, STAGES=tiles.stages, HAS_MASK=has_mask,
+                          BIAS_SIZE=bias_itemsize)
 
 
 def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
@@ -79,7 +94,7 @@ def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
                STAGES=tiles.stages, ALIGNED=req.aligned,
                MIN_BLOCKS=resident_cap(tiles.min_blocks, smem))
     return KernelChoice("sm90", FORWARD_FILE, expr,
-                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32)
 
 
@@ -111,18 +126,38 @@ SM90_BACKWARD_TILES = (
 )
 
 
+#: attention_bwd_dkdv_sm90: the block's 64 keys of K and V, STAGES stages of Q, dO, lse,
+#: delta and of the mask and bias tiles (ROWS queries x COLS = 64 keys)
+DKDV_SMEM = Layout("BwdSm90DkdvSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int ROWS, "
+                   "int COLS, int STAGES, bool HAS_MASK, int BIAS_SIZE", (
+    ("k_s", "T", "COLS * HEAD_DIM"),
+    ("v_s", "T", "COLS * HEAD_DIM_V"),
+    ("q_s", "T", "STAGES * ROWS * HEAD_DIM"),
+    ("do_s", "T", "STAGES * ROWS * HEAD_DIM_V"),
+    ("lse_s", "float", "STAGES * ROWS"),
+    ("delta_s", "float", "STAGES * ROWS"),
+    ("side_s", "unsigned char", SIDE),
+))
+#: attention_bwd_dq_sm90: the block's 64 rows of Q and dO, STAGES stages of K, V and of
+#: the mask and bias tiles (ROWS = 64 queries x COLS keys)
+DQ_SMEM = Layout("BwdSm90DqSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int ROWS, int COLS, "
+                 "int STAGES, bool HAS_MASK, int BIAS_SIZE", (
+    ("q_s", "T", "ROWS * HEAD_DIM"),
+    ("do_s", "T", "ROWS * HEAD_DIM_V"),
+    ("k_s", "T", "STAGES * COLS * HEAD_DIM"),
+    ("v_s", "T", "STAGES * COLS * HEAD_DIM_V"),
+    ("side_s", "unsigned char", SIDE),
+))
+
+
 def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: bool = False,
                              bias_itemsize: int = 0) -> tuple[int, int]:
-    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90 (with
-    their staged mask and bias tiles)."""
-    dkdv_stages = 3 if tiles.dkdv_overlap else 2
-    dq_stages = 3 if tiles.dq_overlap else 2
-    dkdv = ((64 * (hd + hdv) + dkdv_stages * tiles.block_m * (hd + hdv)) * 2
-            + dkdv_stages * 2 * tiles.block_m * 4
-            + dkdv_stages * side_bytes(tiles.block_m, 64, has_mask, bias_itemsize))
-    dq = ((64 + dq_stages * tiles.block_n) * (hd + hdv) * 2
-          + dq_stages * side_bytes(64, tiles.block_n, has_mask, bias_itemsize))
-    return dkdv, dq
+    """Dynamic shared memory of attention_bwd_dkdv_sm90 and attention_bwd_dq_sm90."""
+    side = dict(T=2, HEAD_DIM=hd, HEAD_DIM_V=hdv, HAS_MASK=has_mask, BIAS_SIZE=bias_itemsize)
+    return (DKDV_SMEM.bytes(**side, ROWS=tiles.block_m, COLS=64,
+                            STAGES=3 if tiles.dkdv_overlap else 2),
+            DQ_SMEM.bytes(**side, ROWS=64, COLS=tiles.block_n,
+                          STAGES=3 if tiles.dq_overlap else 2))
 
 
 def backward(req: Request, tiles: Sm90BwdTiles | None = None) -> BackwardChoice:

@@ -11,14 +11,15 @@ import numpy as np
 from ._common import (
     DELTA,
     BackwardChoice,
+    BlockTiles,
     Kernel,
     KernelChoice,
-    Layout,
     Request,
     candidates,
     ceil_to,
     first_fit,
 )
+from ._layout import Layout
 from .sm90 import Sm90Tiles
 
 FORWARD_FILE = "attention_sm90_3xf16.cu"
@@ -44,10 +45,21 @@ SM90_3XF16_TILES = (
 )
 
 
+#: attention_fwd_sm90_3xf16: Q split (hi, lo) per warpgroup, the split K and V tiles (hi
+#: rows, then lo rows), two stages of K and V as loaded
+FWD_SMEM = Layout("FwdSplit16Smem", "int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, int BLOCK_N", (
+    ("q_s", "__half", "NUM_WG * 2 * 64 * HEAD_DIM"),
+    ("k_s", "__half", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_s", "__half", "2 * BLOCK_N * HEAD_DIM_V"),
+    ("k_raw", "float", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_raw", "float", "2 * BLOCK_N * HEAD_DIM_V"),
+))
+
+
 def sm90_3xf16_smem_bytes(tiles: Sm90Tiles, hd: int, hdv: int) -> int:
-    """Dynamic shared memory of attention_fwd_sm90_3xf16 (the .cu header)."""
-    bn = tiles.block_n
-    return ((tiles.block_m // 64) * 2 * 64 * hd + 2 * bn * (hd + hdv)) * 2 + 2 * bn * (hd + hdv) * 4
+    """Dynamic shared memory of attention_fwd_sm90_3xf16 (FWD_SMEM)."""
+    return FWD_SMEM.bytes(HEAD_DIM=hd, HEAD_DIM_V=hdv, NUM_WG=tiles.block_m // 64,
+                          BLOCK_N=tiles.block_n)
 
 
 def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
@@ -58,7 +70,7 @@ def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
                BLOCK_N=tiles.block_n, NUM_WG=tiles.block_m // 64, ALIGNED=req.aligned,
                MIN_BLOCKS=tiles.min_blocks)
     return KernelChoice("sm90_3xf16", FORWARD_FILE, expr,
-                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32, magnitudes=FWD_MAGNITUDES)
 
 
@@ -106,19 +118,44 @@ SM90_3XF16_BACKWARD_TILES = (
 )
 
 
+#: attention_bwd_dkdv_sm90_3xf16: split K and V of each warpgroup that owns keys, two
+#: stages of Q and dO as loaded, their split tiles (one per tile in flight), lse, delta and
+#: the exchanged P^T of the two-role form (BLOCK_M / 8 x 128 float4)
+DKDV_SMEM = Layout("BwdSplit16DkdvSmem", "int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, "
+                       "int OWNERS, bool OVERLAP, bool EXCHANGE", (
+    ("k_s", "__half", "OWNERS * 2 * 64 * HEAD_DIM"),
+    ("v_s", "__half", "OWNERS * 2 * 64 * HEAD_DIM_V"),
+    ("q_raw", "float", "2 * BLOCK_M * HEAD_DIM"),
+    ("do_raw", "float", "2 * BLOCK_M * HEAD_DIM_V"),
+    ("q_s", "__half", "(2 if OVERLAP else 1) * 2 * BLOCK_M * HEAD_DIM"),
+    ("do_s", "__half", "(2 if OVERLAP else 1) * 2 * BLOCK_M * HEAD_DIM_V"),
+    ("lse_s", "float", "2 * BLOCK_M"),
+    ("delta_s", "float", "2 * BLOCK_M"),
+    ("pf_s", "float4", "BLOCK_M // 8 * 128 if EXCHANGE else 0"),
+))
+#: attention_bwd_dq_sm90_3xf16: split Q and dO of each warpgroup, two stages of K and V as
+#: loaded, their split tiles (one per tile in flight)
+DQ_SMEM = Layout("BwdSplit16DqSmem", "int HEAD_DIM, int HEAD_DIM_V, int WARPGROUPS, "
+                     "int BLOCK_N, bool OVERLAP", (
+    ("q_s", "__half", "WARPGROUPS * 2 * 64 * HEAD_DIM"),
+    ("do_s", "__half", "WARPGROUPS * 2 * 64 * HEAD_DIM_V"),
+    ("k_raw", "float", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_raw", "float", "2 * BLOCK_N * HEAD_DIM_V"),
+    ("k_s", "__half", "(2 if OVERLAP else 1) * 2 * BLOCK_N * HEAD_DIM"),
+    ("v_s", "__half", "(2 if OVERLAP else 1) * 2 * BLOCK_N * HEAD_DIM_V"),
+))
+
+
 def sm90_3xf16_backward_smem_bytes(tiles: Sm90F16SplitBwdTiles, hd: int,
                                    hdv: int) -> tuple[int, int]:
     """Dynamic shared memory of attention_bwd_dkdv_sm90_3xf16 and attention_bwd_dq_sm90_3xf16
-    (the .cu header)."""
-    bm, bn = tiles.block_m, tiles.block_n
-    bufs = (2 if tiles.dkdv_overlap else 1, 2 if tiles.dq_overlap else 1)
-    wk = 1 if tiles.dkdv_roles == 3 else tiles.dkdv_warpgroups  # warpgroups with own keys
-    wq = tiles.dq_warpgroups
-    dkdv = (wk * 2 * 64 * (hd + hdv) * 2 + 2 * bm * (hd + hdv) * 4
-            + bufs[0] * 2 * bm * (hd + hdv) * 2 + 2 * 2 * bm * 4
-            + (64 * bm * 4 if tiles.dkdv_roles == 3 else 0))  # the exchanged P^T
-    dq = wq * 2 * 64 * (hd + hdv) * 2 + 2 * bn * (hd + hdv) * 4 + bufs[1] * 2 * bn * (hd + hdv) * 2
-    return dkdv, dq
+    (DKDV_SMEM, DQ_SMEM)."""
+    shared_keys = tiles.dkdv_roles == 3
+    return (DKDV_SMEM.bytes(HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=tiles.block_m,
+                            OWNERS=1 if shared_keys else tiles.dkdv_warpgroups,
+                            OVERLAP=tiles.dkdv_overlap, EXCHANGE=shared_keys),
+            DQ_SMEM.bytes(HEAD_DIM=hd, HEAD_DIM_V=hdv, WARPGROUPS=tiles.dq_warpgroups,
+                          BLOCK_N=tiles.block_n, OVERLAP=tiles.dq_overlap))
 
 
 def backward(req: Request, tiles: Sm90F16SplitBwdTiles | None = None) -> BackwardChoice:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._common import Kernel, KernelChoice, Layout, Request, candidates, ceil_to, first_fit
+from ._common import BlockTiles, Kernel, KernelChoice, Request, candidates, ceil_to, first_fit
+from ._layout import Layout
 from .sm90 import Sm90Tiles
 
 FORWARD_FILE = "attention_sm90_tf32.cu"
@@ -51,17 +52,35 @@ SM90_TF32_TILES = (
 )
 
 
+#: attention_fwd_sm90_tf32: Q, two stages of K, the V staging tile and V^T
+FWD_SMEM = Layout("FwdSm90Tf32Smem", "int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, int BLOCK_N", (
+    ("q_s", "float", "NUM_WG * 64 * HEAD_DIM"),
+    ("k_s", "float", "2 * BLOCK_N * HEAD_DIM"),
+    ("v_s", "float", "BLOCK_N * HEAD_DIM_V"),
+    ("vt_s", "float", "HEAD_DIM_V * BLOCK_N"),
+))
+#: attention_fwd_sm90_tf32_piped: Q, STAGES slots of a K tile and a V^T tile, and each
+#: slot's two 8-byte barriers (full, then empty)
+PIPED_SMEM = Layout("FwdSm90PipedSmem", "int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, "
+                        "int BLOCK_N, int STAGES", (
+    ("q_s", "float", "NUM_WG * 64 * HEAD_DIM"),
+    ("slots", "float", "STAGES * (BLOCK_N * HEAD_DIM + HEAD_DIM_V * BLOCK_N)"),
+    ("full", "unsigned char", "8 * STAGES"),
+    ("empty", "unsigned char", "8 * STAGES"),
+))
+
+
 def sm90_tf32_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int) -> int:
-    """Dynamic shared memory of attention_fwd_sm90_tf32 (float elements; see the .cu
-    header): Q, two stages of K, the V staging tile and V^T."""
-    return (tiles.block_m * head_dim + 2 * tiles.block_n * (head_dim + head_dim_v)) * 4
+    """Dynamic shared memory of attention_fwd_sm90_tf32 (FWD_SMEM)."""
+    return FWD_SMEM.bytes(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, NUM_WG=tiles.block_m // 64,
+                          BLOCK_N=tiles.block_n)
 
 
 def sm90_piped_smem_bytes(tiles: PipedTiles, head_dim: int, head_dim_v: int) -> int:
-    """Dynamic shared memory of attention_fwd_sm90_tf32_piped (see the .cu header): Q,
-    tiles.slots slots of a K tile and a V^T tile, and two 8-byte barriers per slot."""
-    return ((tiles.block_m * head_dim + tiles.slots * tiles.block_n * (head_dim + head_dim_v))
-            * 4 + 16 * tiles.slots)
+    """Dynamic shared memory of attention_fwd_sm90_tf32_piped (PIPED_SMEM)."""
+    return PIPED_SMEM.bytes(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                            NUM_WG=tiles.block_m // 64, BLOCK_N=tiles.block_n,
+                            STAGES=tiles.slots)
 
 
 def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
@@ -79,9 +98,9 @@ def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
             piped_expr = FWD_PIPED(**common, BLOCK_N=piped.block_n, NUM_WG=piped.block_m // 64,
                                    STAGES=piped.slots, QREG=piped.qreg)
             prepared = KernelChoice("sm90_tf32", FORWARD_FILE, piped_expr,
-                                    Layout(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv,
+                                    BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv,
                                     piped_smem, threads=piped.num_warps * 32, prepare=True)
     return KernelChoice("sm90_tf32", FORWARD_FILE, expr,
-                        Layout(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
+                        BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=tiles.num_warps * 32, prepared=prepared,
                         prepare_from=tiles.prepare_from)
