@@ -10,14 +10,16 @@ HERE = Path(__file__).resolve().parent
 
 
 class BuildPyWithKernels(build_py):
-    """Copy cuda/*.cu and cuda/*.cuh into the built package as cuattn/cuda/."""
+    """Copy the .cu and .cuh files of cuda/ (and its folders) into the built package as
+    cuattn/cuda/."""
 
     def run(self):
         super().run()
         target = Path(self.build_lib) / "cuattn" / "cuda"
-        target.mkdir(parents=True, exist_ok=True)
-        for source in sorted((HERE / "cuda").glob("*.cu*")):
-            self.copy_file(str(source), str(target / source.name))
+        for source in sorted((HERE / "cuda").rglob("*.cu*")):
+            dest = target / source.relative_to(HERE / "cuda")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.copy_file(str(source), str(dest))
 
 
 setup(
@@ -28,7 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=["cuattn"],
+    packages=["cuattn", "cuattn.families"],
     cmdclass={"build_py": BuildPyWithKernels},
     install_requires=["numpy>=1.24", "ml_dtypes>=0.4"],
     extras_require={

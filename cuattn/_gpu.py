@@ -330,7 +330,7 @@ def _tf32_prep_plan(filename: str, expr: str, src, images, rows: int, cols: int,
 
 
 #: Rows of q (and of k) per block of attention_bwd_magnitudes (MAG_ROWS in
-#: cuda/attention_backward_sm90_3xf16.cu)
+#: cuda/sm90/attention_backward_sm90_3xf16.cu)
 MAGNITUDE_ROWS = 16
 
 

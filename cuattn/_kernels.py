@@ -57,13 +57,13 @@ def kernel_dir() -> Path:
 def _resolve_kernel_dir(env: str | None) -> Path:
     if env:
         path = Path(env)
-        if not (path / "common.cuh").is_file():
-            raise FileNotFoundError(
-                f"CUATTN_KERNEL_DIR={env!r} does not hold the kernel sources (no common.cuh)")
+        if not (path / "common/common.cuh").is_file():
+            raise FileNotFoundError(f"CUATTN_KERNEL_DIR={env!r} does not hold the kernel "
+                                    f"sources (no common/common.cuh)")
         return path
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda", here.parent / "cuda"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "common/common.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cuattn's kernel sources are missing: looked in {here / 'cuda'} "
                             f"and {here.parent / 'cuda'}")
@@ -96,10 +96,10 @@ def read_source(filename: str, directory: Path | None = None) -> str:
 #: wgmma exists only on sm_90a. Given ours and CuPy's appended -arch=sm_90, NVRTC 13.0 builds
 #: for sm_90a (either order; sm_90 alone rejects wgmma); dispatch sends these files to
 #: sm_90 devices only.
-ARCH_SPECIFIC = {"attention_sm90.cu": "sm_90a", "attention_sm90_tf32.cu": "sm_90a",
-                 "attention_backward_sm90.cu": "sm_90a",
-                 "attention_backward_sm90_3xf16.cu": "sm_90a",
-                 "attention_sm90_3xf16.cu": "sm_90a"}
+ARCH_SPECIFIC = {"sm90/attention_sm90.cu": "sm_90a", "sm90/attention_sm90_tf32.cu": "sm_90a",
+                 "sm90/attention_backward_sm90.cu": "sm_90a",
+                 "sm90/attention_backward_sm90_3xf16.cu": "sm_90a",
+                 "sm90/attention_sm90_3xf16.cu": "sm_90a"}
 
 
 def nvrtc_options(arch: str | None = None, filename: str | None = None) -> tuple[str, ...]:

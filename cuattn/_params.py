@@ -20,8 +20,8 @@ from ._kernels import kernel_dir
 __all__ = ["block_dtype", "new_block", "STRUCT_FILES"]
 
 #: the source file that declares each parameter struct (with the structs it nests)
-STRUCT_FILES = {"Strides": "common.cuh", "AttnParams": "common.cuh",
-                "AttnBwdParams": "common.cuh", "Tf32Prep": "attention_sm90_tf32.cu"}
+STRUCT_FILES = {"Strides": "common/common.cuh", "AttnParams": "common/common.cuh",
+                "AttnBwdParams": "common/common.cuh", "Tf32Prep": "sm90/attention_sm90_tf32.cu"}
 
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64, "float": np.float32,
             "unsigned long long": np.uint64}
@@ -51,8 +51,8 @@ def _parse_structs(text: str) -> dict[str, list[tuple[str, str]]]:
 def _dtype_in(directory: str, struct: str) -> np.dtype:
     from pathlib import Path
     text = (Path(directory) / STRUCT_FILES[struct]).read_text()
-    if STRUCT_FILES[struct] != "common.cuh":  # it may nest the common structs
-        text = (Path(directory) / "common.cuh").read_text() + text
+    if STRUCT_FILES[struct] != "common/common.cuh":  # it may nest the common structs
+        text = (Path(directory) / "common/common.cuh").read_text() + text
     structs = _parse_structs(text)
 
     def dtype_of(name: str) -> np.dtype:

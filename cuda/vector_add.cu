@@ -10,7 +10,7 @@
 //             per thread per step (cuattn/elementwise.py::VECTOR_ADD_UNROLL).
 // Shared mem: none.
 // Reference:  numpy.add (cuattn.elementwise.vector_add on NumPy inputs).
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace {
 

@@ -25,7 +25,7 @@ def test_demo_checks_against_float64():
 @pytest.mark.gate  # needs the gate extra (NVRTC's Python bindings)
 def test_check_gate_compiles_without_a_gpu():
     res = _run("check", "--gate", "--arch", "sm_90", "--match", "attention_bwd_delta<__half>",
-               "--match", "attention_backward_sm90.cu")
+               "--match", "sm90/attention_backward_sm90.cu")
     assert res.returncode == 0, res.stdout + res.stderr
     line = next(x for x in res.stdout.splitlines() if "attention_bwd_delta<__half>" in x)
     regs, stack = (int(v) for v in line.split()[:2])

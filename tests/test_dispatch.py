@@ -110,7 +110,7 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
     kernel; Q (hi, lo) per warpgroup, the stacked split K and V tiles, two raw stages."""
     d64, d128 = forward(F32, 64), forward(F32, 128)
     assert d64.family == d128.family == "sm90_3xf16"
-    assert d64.filename == "attention_sm90_3xf16.cu"
+    assert d64.filename == "sm90/attention_sm90_3xf16.cu"
     assert d64.magnitudes == "attention_fwd_magnitudes" and d64.prepared is None
     assert d64.name_expression == (
         "attention_fwd_sm90_3xf16<cuattn::NoBias, false, 64, 64, 64, 2, true, 1>")
@@ -121,7 +121,7 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
     assert forward(F32, 64, forced="sm90_3xf16", precision="tf32") is None
     assert forward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
     assert forward(F32, 256, forced="sm90_3xf16") is None
-    assert ("attention_sm90_3xf16.cu", "attention_fwd_magnitudes", True) in \
+    assert ("sm90/attention_sm90_3xf16.cu", "attention_fwd_magnitudes", True) in \
         _gate.forward_instances("sm_90")
 
 
@@ -146,8 +146,8 @@ def test_sm90_instances_and_shared_memory():
     assert three.shared_mem == 2 * (64 * 64 + 4 * 64 * 128)
     # the loader builds this file for sm_90a (wgmma), whatever the gate's target
     from cuattn._kernels import nvrtc_options
-    assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_sm90.cu")
-    assert "-arch=sm_90" in nvrtc_options("sm_90", "attention_mma.cu")
+    assert "-arch=sm_90a" in nvrtc_options("sm_90", "sm90/attention_sm90.cu")
+    assert "-arch=sm_90" in nvrtc_options("sm_90", "mma/attention_mma.cu")
 
 
 def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
@@ -200,13 +200,12 @@ def test_a_struct_edited_in_the_sources_is_followed(tmp_path, monkeypatch):
 
     from cuattn._kernels import kernel_dir
     from cuattn._params import block_dtype
-    for f in kernel_dir().iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    common = (tmp_path / "common.cuh").read_text()
+    shutil.copytree(kernel_dir(), tmp_path, dirs_exist_ok=True)
+    common = (tmp_path / "common/common.cuh").read_text()
     edited = common.replace("    double scale;", "    long long extra;  // a new field\n"
                                                 "    double scale;", 1)
     assert edited != common
-    (tmp_path / "common.cuh").write_text(edited)
+    (tmp_path / "common/common.cuh").write_text(edited)
     before = block_dtype("AttnParams")
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     after = block_dtype("AttnParams")
@@ -277,7 +276,7 @@ def test_backward_families_and_tiles():
     assert backward(BF16, 256).family == "mma"             # beyond the sm90 backward's head dims
     assert backward(F16, 64, gpu=A100).family == "mma"
     choice = backward(BF16, 64, forced="mma")
-    assert choice.family == "mma" and choice.filename == "attention_backward_mma.cu"
+    assert choice.family == "mma" and choice.filename == "mma/attention_backward_mma.cu"
     assert choice.delta == "attention_bwd_delta<__nv_bfloat16>"
     # the H200 row caps both kernels at 3 blocks per SM; the sm_8x row does not cap dK/dV
     assert choice.dkdv.endswith(", 32, 4, true, 3>") and choice.dq.endswith(", 32, 4, true, 3>")
@@ -299,7 +298,7 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     magnitudes kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""
     choice = backward(F32, 64, forced="sm90_3xf16")
     assert choice.family == "sm90_3xf16"
-    assert choice.filename == "attention_backward_sm90_3xf16.cu"
+    assert choice.filename == "sm90/attention_backward_sm90_3xf16.cu"
     assert choice.magnitudes == "attention_bwd_magnitudes"
     assert choice.delta == "attention_bwd_delta<float>"
     flags = "cuattn::NoBias, false, 64, 64"
@@ -329,7 +328,7 @@ def test_sm90_3xf16_backward_instances_and_shared_memory():
     assert backward(F32, 256, forced="sm90_3xf16") is None
     assert backward(F32, 64, forced="sm90_3xf16", gpu=A100) is None
     instances = [e for f, e, _ in _gate.backward_instances("sm_90")
-                 if f == "attention_backward_sm90_3xf16.cu"]
+                 if f == "sm90/attention_backward_sm90_3xf16.cu"]
     assert "attention_bwd_magnitudes" in instances
 
 
@@ -365,7 +364,7 @@ def test_mma_f32_backward_instances_and_shared_memory():
     # "tf32" at D64: one block computes dK and dV; K and V in fragment order, two stages of
     # Q, dO (pitch D + 4), each rounded to TF32 once in place, lse and delta
     choice = backward(F32, 40, precision="tf32", gpu=A100)
-    assert choice.family == "mma_f32" and choice.filename == "attention_backward_mma_f32.cu"
+    assert choice.family == "mma_f32" and choice.filename == "mma/attention_backward_mma_f32.cu"
     assert choice.dkdv == ("attention_bwd_dkdv_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, "
                            "true, true, 2>")
     assert choice.dq == ("attention_bwd_dq_mma_f32<cuattn::NoBias, false, 64, 64, 32, 4, true, "
@@ -417,7 +416,7 @@ def test_sm90_backward_instances_and_shared_memory():
         64, 64, 2, 3, dkdv_overlap=True, dq_overlap=True,
         dkdv_stats_ahead=True)).dkdv.endswith(", 2, true, true>")
     from cuattn._kernels import nvrtc_options
-    assert "-arch=sm_90a" in nvrtc_options("sm_90", "attention_backward_sm90.cu")
+    assert "-arch=sm_90a" in nvrtc_options("sm_90", "sm90/attention_backward_sm90.cu")
 
 
 def _cpp_signatures() -> dict:
@@ -428,7 +427,7 @@ def _cpp_signatures() -> dict:
     pattern = re.compile(r"template\s*<([^<>]*)>\s*__global__\s+void\s+"
                          r"(?:__launch_bounds__\([^()]*(?:\([^()]*\))?[^()]*\)\s*)?(\w+)\s*\(")
     found = {}
-    for path in kernel_dir().iterdir():
+    for path in kernel_dir().rglob("*.cu*"):
         for params, name in pattern.findall(path.read_text()):
             names = tuple(p.split("=")[0].split()[-1] for p in params.split(","))
             defaults = tuple(p.split("=")[0].split()[-1] for p in params.split(",") if "=" in p)
@@ -469,7 +468,7 @@ def test_a_template_signature_takes_every_parameter_by_name():
 
 
 def test_shared_memory_layouts_header_is_generated_from_the_families(capsys):
-    """cuda/layouts.cuh is written by tools/gen_layouts.py from the Layout descriptions that
+    """cuda/common/layouts.cuh is written by tools/gen_layouts.py from the Layout descriptions that
     dispatch sizes shared memory with: a hand edit or a stale copy fails here."""
     import importlib.util
     from pathlib import Path
@@ -480,7 +479,7 @@ def test_shared_memory_layouts_header_is_generated_from_the_families(capsys):
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     gen.main()
-    assert capsys.readouterr().out == (kernel_dir() / "layouts.cuh").read_text()
+    assert capsys.readouterr().out == (kernel_dir() / "common/layouts.cuh").read_text()
 
 
 def test_a_layout_is_evaluated_as_its_cpp_text_reads():

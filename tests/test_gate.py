@@ -55,8 +55,7 @@ def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
     import shutil
 
     from cuattn._kernels import kernel_dir
-    for f in kernel_dir().iterdir():
-        shutil.copy(f, tmp_path / f.name)
+    shutil.copytree(kernel_dir(), tmp_path, dirs_exist_ok=True)
     (tmp_path / "vector_add.cu").write_text((tmp_path / "vector_add.cu").read_text()
                                             + "\nthis is not C++;\n")
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
@@ -67,7 +66,7 @@ def test_a_compile_error_names_the_file(tmp_path, monkeypatch):
 
 
 def test_wgmma_wrappers_match_their_generator(capsys):
-    """cuda/wgmma.cuh is generated (tools/gen_wgmma.py): a hand edit or a stale copy fails."""
+    """cuda/sm90/wgmma.cuh is generated (tools/gen_wgmma.py): a hand edit or a stale copy fails."""
     import importlib.util
     from pathlib import Path
 
@@ -77,7 +76,7 @@ def test_wgmma_wrappers_match_their_generator(capsys):
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     gen.main()
-    assert capsys.readouterr().out == (kernel_dir() / "wgmma.cuh").read_text()
+    assert capsys.readouterr().out == (kernel_dir() / "sm90/wgmma.cuh").read_text()
 
 
 @pytest.mark.gate
@@ -102,8 +101,7 @@ def test_parameter_block_layouts_are_the_compilers(tmp_path, monkeypatch):
             else:
                 yield f"{prefix}{name}", offset, field.kind == "f"
 
-    for f in kernel_dir().iterdir():
-        shutil.copy(f, tmp_path / f.name)
+    shutil.copytree(kernel_dir(), tmp_path, dirs_exist_ok=True)
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     for struct in STRUCT_FILES:
         dtype = block_dtype(struct)

@@ -12,15 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sources_found_and_headers_inlined():
-    assert (kernel_dir() / "common.cuh").is_file()
-    text = read_source("attention_portable.cu")
-    assert '#include "common.cuh"' not in text and "struct AttnParams" in text
+    assert (kernel_dir() / "common/common.cuh").is_file()
+    text = read_source("portable/attention_portable.cu")
+    assert '#include "common/common.cuh"' not in text and "struct AttnParams" in text
     assert text.count("struct AttnParams {") == 1  # each header once
 
 
 def test_kernel_dir_override(tmp_path, monkeypatch):
-    (tmp_path / "common.cuh").write_text("#pragma once\n// edited header\n")
-    (tmp_path / "vector_add.cu").write_text('#include "common.cuh"\n// edited kernel\n')
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common/common.cuh").write_text("#pragma once\n// edited header\n")
+    (tmp_path / "vector_add.cu").write_text('#include "common/common.cuh"\n// edited kernel\n')
     monkeypatch.setenv("CUATTN_KERNEL_DIR", str(tmp_path))
     assert kernel_dir() == tmp_path
     assert "edited header" in read_source("vector_add.cu")
@@ -45,5 +46,7 @@ def test_wheel_contains_kernel_sources(tmp_path):
                     str(ROOT)], check=True)
     wheel = next(tmp_path.glob("cuattn-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in (ROOT / "cuda").glob("*.cu*"):
-        assert f"cuattn/cuda/{path.name}" in names
+    for path in (ROOT / "cuda").rglob("*.cu*"):
+        assert f"cuattn/cuda/{path.relative_to(ROOT / 'cuda').as_posix()}" in names
+    for path in (ROOT / "cuattn").rglob("*.py"):  # every module, subpackages too
+        assert path.relative_to(ROOT).as_posix() in names

@@ -1,6 +1,6 @@
-"""Writes cuda/wgmma.cuh: the wgmma (sm_90a) instruction wrappers of attention_sm90.cu.
+"""Writes cuda/sm90/wgmma.cuh: the wgmma (sm_90a) instruction wrappers of attention_sm90.cu.
 
-    python tools/gen_wgmma.py > cuda/wgmma.cuh
+    python tools/gen_wgmma.py > cuda/sm90/wgmma.cuh
 
 Each wrapper is one inline-asm statement whose operand list names every accumulator
 register, so it is generated rather than typed.

@@ -5,7 +5,7 @@ type and its element count as an expression over the kernel's template parameter
 (Python syntax: ``+ - * //``, ``a if c else b``, comparisons, ``max``, ``min`` and the
 :data:`BUILTINS`; ``T_SIZE`` is the size in bytes of a type parameter ``T``). Python
 evaluates it (:meth:`Layout.bytes`) for dispatch; ``tools/gen_layouts.py`` writes the same
-description as C++ (``cuda/layouts.cuh``: a struct per layout whose enum holds each
+description as C++ (``cuda/common/layouts.cuh``: a struct per layout whose enum holds each
 buffer's byte offset and the total ``BYTES``), which the kernel carves its
 ``extern __shared__`` memory from. A test regenerates the header, so the two cannot
 disagree.

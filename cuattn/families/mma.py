@@ -18,8 +18,8 @@ from ._common import (
 )
 from ._layout import Layout
 
-FORWARD_FILE = "attention_mma.cu"
-BACKWARD_FILE = "attention_backward_mma.cu"
+FORWARD_FILE = "mma/attention_mma.cu"
+BACKWARD_FILE = "mma/attention_backward_mma.cu"
 
 FWD = Kernel("attention_fwd_mma", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
                                   "M_TILES ALIGNED MIN_BLOCKS")

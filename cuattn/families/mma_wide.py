@@ -22,8 +22,8 @@ from ._common import (
 from ._layout import Layout
 from .mma import MmaBwdTiles, MmaTiles
 
-FORWARD_FILE = "attention_mma_wide.cu"
-BACKWARD_FILE = "attention_backward_mma_f32.cu"
+FORWARD_FILE = "mma/attention_mma_wide.cu"
+BACKWARD_FILE = "mma/attention_backward_mma_f32.cu"
 
 FWD = Kernel("attention_fwd_mma_wide", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
                                        "M_TILES MIN_BLOCKS ALIGNED")

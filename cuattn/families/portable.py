@@ -18,8 +18,8 @@ from ._common import (
 )
 from ._layout import Layout
 
-FORWARD_FILE = "attention_portable.cu"
-BACKWARD_FILE = "attention_backward_portable.cu"
+FORWARD_FILE = "portable/attention_portable.cu"
+BACKWARD_FILE = "portable/attention_backward_portable.cu"
 
 FWD = Kernel("attention_fwd_portable",
              "T BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE DV_TILE MIN_BLOCKS PIPELINED ALIGNED")

@@ -20,8 +20,8 @@ from ._common import (
 )
 from ._layout import Layout
 
-FORWARD_FILE = "attention_sm90.cu"
-BACKWARD_FILE = "attention_backward_sm90.cu"
+FORWARD_FILE = "sm90/attention_sm90.cu"
+BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
                                    "ALIGNED MIN_BLOCKS")

@@ -22,8 +22,8 @@ from ._common import (
 from ._layout import Layout
 from .sm90 import Sm90Tiles
 
-FORWARD_FILE = "attention_sm90_3xf16.cu"
-BACKWARD_FILE = "attention_backward_sm90_3xf16.cu"
+FORWARD_FILE = "sm90/attention_sm90_3xf16.cu"
+BACKWARD_FILE = "sm90/attention_backward_sm90_3xf16.cu"
 
 FWD = Kernel("attention_fwd_sm90_3xf16", "BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG "
                                          "ALIGNED MIN_BLOCKS")

@@ -9,7 +9,7 @@ from ._common import BlockTiles, Kernel, KernelChoice, Request, candidates, ceil
 from ._layout import Layout
 from .sm90 import Sm90Tiles
 
-FORWARD_FILE = "attention_sm90_tf32.cu"
+FORWARD_FILE = "sm90/attention_sm90_tf32.cu"
 
 FWD = Kernel("attention_fwd_sm90_tf32", "BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG "
                                         "ALIGNED MIN_BLOCKS")

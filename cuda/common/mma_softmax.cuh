@@ -8,8 +8,8 @@
 // inputs.
 #pragma once
 
-#include "common.cuh"
-#include "mma_tiles.cuh"
+#include "common/common.cuh"
+#include "common/mma_tiles.cuh"
 
 namespace cuattn {
 namespace mma {

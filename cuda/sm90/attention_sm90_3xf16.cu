@@ -28,8 +28,8 @@
 //             the layout: FwdSplit16Smem (layouts.cuh, from cuattn/families/sm90_3xf16.py).
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32 or
 //             64); NUM_WG (1 or 2); ALIGNED; MIN_BLOCKS.
-#include "mma_softmax.cuh"
-#include "split16.cuh"
+#include "common/mma_softmax.cuh"
+#include "sm90/split16.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

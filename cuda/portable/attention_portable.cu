@@ -35,7 +35,7 @@
 //             the layout: FwdPortableSmem (layouts.cuh, from cuattn/families/portable.py).
 // Reference:  cuattn/reference.py::attention_reference (float64) and ::attention_blocked
 //             (this loop, in NumPy).
-#include "portable_tiles.cuh"
+#include "portable/portable_tiles.cuh"
 
 namespace {
 

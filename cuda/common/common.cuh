@@ -15,7 +15,7 @@
 #include <cuda_bf16.h>
 
 // the kernels' shared-memory layouts, generated from cuattn/families
-#include "layouts.cuh"
+#include "common/layouts.cuh"
 
 namespace cuattn {
 

@@ -26,8 +26,8 @@
 //             the layout: FwdSm90Smem (layouts.cuh, from cuattn/families/sm90.py).
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
 //             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS.
-#include "mma_softmax.cuh"
-#include "sm90_tiles.cuh"
+#include "common/mma_softmax.cuh"
+#include "sm90/sm90_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

@@ -13,7 +13,7 @@
 // warp-tiled form: rows 4 apart, columns 8 apart).
 #pragma once
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace cuattn {
 namespace portable {

@@ -34,8 +34,8 @@
 //             elements of Acc<T>, PAD = 16 bytes; the layouts: BwdPortableDkdvSmem, BwdPortableDqSmem.
 // Reference:  cuattn/reference.py::attention_backward_reference (float64, dense) and
 //             ::attention_backward_blocked (this loop order, in NumPy).
-#include "backward.cuh"
-#include "portable_tiles.cuh"
+#include "common/backward.cuh"
+#include "portable/portable_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::portable;

@@ -43,8 +43,8 @@
 //             half-warp) hit distinct banks, and HEAD_DIM_V+V_PAD puts V rows 2t, 2t+1 of the
 //             B loads in distinct banks.
 //             the layout: FwdMmaWideSmem (layouts.cuh, from cuattn/families/mma_wide.py).
-#include "mma_softmax.cuh"
-#include "mma_tiles.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/mma_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

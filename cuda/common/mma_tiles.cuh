@@ -13,7 +13,7 @@
 //                   all of Z's columns)
 #pragma once
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace cuattn {
 namespace mma {

@@ -31,8 +31,8 @@
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
 //             swizzled as in mma_tiles.cuh; the layouts: BwdMmaDkdvSmem, BwdMmaDqSmem (layouts.cuh).
-#include "backward.cuh"
-#include "mma_tiles.cuh"
+#include "common/backward.cuh"
+#include "common/mma_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

@@ -11,7 +11,7 @@
 //   magnitudes_of_rows          the largest finite magnitudes of a batch entry's rows
 #pragma once
 
-#include "sm90_tiles.cuh"
+#include "sm90/sm90_tiles.cuh"
 
 namespace cuattn {
 namespace split16 {

@@ -31,8 +31,8 @@
 //             S = 3 stages with OVERLAP, else 2, plus the staged mask and bias tiles;
 //             every operand tile in the 128-byte-swizzle layout of attention_sm90.cu;
 //             the layout: BwdSm90DkdvSmem, BwdSm90DqSmem (layouts.cuh, from cuattn/families/sm90.py).
-#include "backward.cuh"
-#include "sm90_tiles.cuh"
+#include "common/backward.cuh"
+#include "sm90/sm90_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

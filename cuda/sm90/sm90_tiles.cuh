@@ -22,8 +22,8 @@
 //               makes them from accumulators, contraction permuted), B K-contiguous
 #pragma once
 
-#include "mma_tiles.cuh"
-#include "wgmma.cuh"
+#include "common/mma_tiles.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace cuattn {
 namespace sm90 {

@@ -7,7 +7,7 @@
 // rows, one warp per row).
 #pragma once
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace cuattn {
 

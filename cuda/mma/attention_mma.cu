@@ -27,8 +27,8 @@
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
 //             the layout: FwdMmaSmem (layouts.cuh, from cuattn/families/mma.py).
-#include "mma_softmax.cuh"
-#include "mma_tiles.cuh"
+#include "common/mma_softmax.cuh"
+#include "common/mma_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

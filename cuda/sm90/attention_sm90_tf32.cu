@@ -35,8 +35,8 @@
 //             the layout: FwdSm90Tf32Smem (layouts.cuh, from cuattn/families/sm90_tf32.py).
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
 //             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
-#include "mma_softmax.cuh"
-#include "sm90_tiles.cuh"
+#include "common/mma_softmax.cuh"
+#include "sm90/sm90_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

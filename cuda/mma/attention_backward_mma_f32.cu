@@ -43,8 +43,8 @@
 //             + 2*2*BLOCK_M)*4 bytes;  dQ: (BLOCK_M*(HEAD_DIM+HEAD_DIM_V)
 //             + 2*BLOCK_N*(HEAD_DIM+HEAD_DIM_V+8))*4 bytes;
 //             the layout: BwdMmaF32DkdvSmem, BwdMmaF32DqSmem (layouts.cuh, from cuattn/families/mma_wide.py).
-#include "backward.cuh"
-#include "mma_tiles.cuh"
+#include "common/backward.cuh"
+#include "common/mma_tiles.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;

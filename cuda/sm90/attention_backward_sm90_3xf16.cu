@@ -80,8 +80,8 @@
 //             128-byte-swizzle layout (Sw128<ROWS, 2>), raw tiles in the float one
 //             (Sw128<ROWS, 4>). The layouts: BwdSplit16DkdvSmem, BwdSplit16DqSmem (layouts.cuh,
 //             from cuattn/families/sm90_3xf16.py).
-#include "backward.cuh"
-#include "split16.cuh"
+#include "common/backward.cuh"
+#include "sm90/split16.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
