@@ -5,7 +5,8 @@ NumPy implementation on NumPy arrays, with the same semantics (cuattn.reference)
 """
 from .attention import attention, attention_backward, attention_vjp, multi_head_attention
 from .elementwise import vector_add
+from .merge import merge_attention
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention",
-           "vector_add", "__version__"]
+           "merge_attention", "vector_add", "__version__"]

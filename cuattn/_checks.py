@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
-           "sum_to_shape"]
+           "sum_to_shape", "check_merge"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -327,3 +327,57 @@ def sum_to_shape(grad, shape):
     grad = grad.sum(axis=tuple(range(extra))) if extra else grad
     axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
     return grad.sum(axis=axes, keepdims=True) if axes else grad
+
+
+def check_merge(outs, lses):
+    """Validate the partial results of :func:`cuattn.merge_attention`; returns
+    ``(outs, lses, xp)`` as arrays of one kind, shape and dtype, on one device."""
+    for name, parts in (("outs", outs), ("lses", lses)):
+        # an array is not a list of parts (its rows would be taken for parts)
+        if (isinstance(parts, (str, bytes)) or not hasattr(parts, "__len__")
+                or hasattr(parts, "shape")):
+            raise TypeError(f"{name} must be a list of arrays, one per part, got "
+                            f"{type(parts).__name__}")
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must have one entry per part, got {len(outs)} outs "
+                         f"and {len(lses)} lses")
+    if len(outs) == 0:
+        raise ValueError("merge_attention needs at least one part, got none")
+    arrays = [as_array(x, f"outs[{i}]") for i, x in enumerate(outs)]
+    arrays += [as_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    xp = arrays[0][1]
+    names = [f"outs[{i}]" for i in range(len(outs))] + [f"lses[{i}]" for i in range(len(lses))]
+    for name, (_, xm) in zip(names, arrays):
+        if xm is not xp:
+            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
+                            f"{'numpy' if xm is np else 'cupy'}, outs[0] is "
+                            f"{'numpy' if xp is np else 'cupy'}")
+    outs = [x for x, _ in arrays[:len(outs)]]
+    lses = [x for x, _ in arrays[len(outs):]]
+    first = outs[0]
+    if first.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"outs[0] has dtype {first.dtype}; supported dtypes are float16, "
+                        f"bfloat16, float32 and float64")
+    if first.ndim < 2:
+        raise ValueError(f"outs[0] must have at least 2 dims (..., Sq, Dv), got shape "
+                         f"{first.shape}")
+    want = lse_dtype(first.dtype)
+    device = _device_id(first, xp)
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        if o.dtype != first.dtype:
+            raise TypeError(f"outs[{i}] has dtype {o.dtype} but outs[0] has {first.dtype} "
+                            f"(they must match)")
+        if o.shape != first.shape:
+            raise ValueError(f"outs[{i}] has shape {o.shape} but outs[0] has {first.shape} "
+                             f"(they must match)")
+        if lse.dtype != want:
+            raise TypeError(f"lses[{i}] must have dtype {want} (the lse of {first.dtype} "
+                            f"attention), got {lse.dtype}")
+        if lse.shape != first.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {first.shape[:-1]} (outs' shape "
+                             f"without its last axis), got {lse.shape}")
+        for name, x in ((f"outs[{i}]", o), (f"lses[{i}]", lse)):
+            if _device_id(x, xp) != device:
+                raise ValueError(f"{name} is on device {_device_id(x, xp)} but outs[0] is on "
+                                 f"device {device}")
+    return outs, lses, xp

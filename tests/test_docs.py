@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-MODULES = ["cuattn.attention", "cuattn.elementwise", "cuattn.reference"]
+MODULES = ["cuattn.attention", "cuattn.elementwise", "cuattn.merge", "cuattn.reference"]
 
 
 @pytest.mark.parametrize("name", MODULES)
