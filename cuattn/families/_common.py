@@ -2,6 +2,7 @@
 returns, its kernels' template signatures and the first-fit rule of the tile tables."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +69,12 @@ def template_arg(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, np.integer)):
         return str(int(value))
-    return c_type_name(value)
+    return _c_type(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _c_type(dtype) -> str:  # dispatch and the gate ask for a few dtypes very often
+    return c_type_name(dtype)
 
 
 @dataclass(frozen=True)

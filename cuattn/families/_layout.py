@@ -13,6 +13,7 @@ disagree.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 
 #: fixed-size element types a layout may name (type parameters are sized by the caller)
@@ -45,11 +46,14 @@ class Layout:
 
     def offsets(self, **values) -> dict[str, int]:
         """Each buffer's byte offset and the total, ``BYTES``."""
+        return dict(_offsets(self, tuple(sorted((k, int(v)) for k, v in values.items()))))
+
+    def _offsets(self, values: dict) -> list[tuple[str, int]]:
         names = {n for _, n in self._param_names()}
         if set(values) != names:
             raise TypeError(f"{self.name}: expected {sorted(names)}, got {sorted(values)}")
         types = {n for kind, n in self._param_names() if kind == "typename"}
-        env = {k: int(v) for k, v in values.items()}
+        env = dict(values)
         env.update({f"{t}_SIZE": env[t] for t in types})
         at, out = 0, {}
         for buf, elem, count in self.buffers:
@@ -57,7 +61,7 @@ class Layout:
             size = env[elem] if elem in types else TYPE_SIZES[elem]
             at += size * _evaluate(count, env)
         out["BYTES"] = at
-        return out
+        return list(out.items())
 
     def cpp(self) -> str:
         """The C++ struct: an enum of byte offsets (an enum, not static data members, which
@@ -78,39 +82,36 @@ class Layout:
         return "\n".join(lines)
 
 
+_ALLOWED = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.BinOp, ast.Add, ast.Sub,
+            ast.Mult, ast.FloorDiv, ast.IfExp, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.Gt,
+            ast.LtE, ast.GtE, ast.BoolOp, ast.And, ast.Or, ast.Call)
+
+
+@functools.cache
+def _compiled(expr: str):
+    """``expr`` checked against the layout language (what :func:`to_cpp` can write) and
+    compiled once."""
+    tree = ast.parse(expr, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED) or (
+                isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and (
+                    node.func.id in ("max", "min") or node.func.id in BUILTINS))) or (
+                isinstance(node, ast.Constant) and not isinstance(node.value, int)):
+            raise ValueError(f"{expr}: unsupported expression {ast.dump(node)}")
+    return compile(tree, f"<layout {expr}>", "eval")
+
+
+def _builtin(name: str):
+    params, body = BUILTINS[name]
+    return lambda *args: _evaluate(body, dict(zip(params, args)))
+
+
+_FUNCTIONS = {"__builtins__": {}, "max": max, "min": min,
+              **{name: _builtin(name) for name in BUILTINS}}
+
+
 def _evaluate(expr: str, env: dict) -> int:
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, bool)):
-            return int(node.value)
-        if isinstance(node, ast.Name):
-            return env[node.id]
-        if isinstance(node, ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            ops = {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}
-            if isinstance(node.op, ast.FloorDiv):
-                if a < 0 or b <= 0:
-                    raise ValueError(f"{expr}: // of negative numbers differs in C++")
-                return a // b
-            return ops[type(node.op)]
-        if isinstance(node, ast.IfExp):
-            return ev(node.body) if ev(node.test) else ev(node.orelse)
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            a, b = ev(node.left), ev(node.comparators[0])
-            return int({ast.Eq: a == b, ast.NotEq: a != b, ast.Lt: a < b, ast.Gt: a > b,
-                        ast.LtE: a <= b, ast.GtE: a >= b}[type(node.ops[0])])
-        if isinstance(node, ast.BoolOp):
-            vals = [ev(v) for v in node.values]
-            return int(all(vals) if isinstance(node.op, ast.And) else any(vals))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            args = [ev(a) for a in node.args]
-            if node.func.id in ("max", "min"):
-                return (max if node.func.id == "max" else min)(args)
-            params, body = BUILTINS[node.func.id]
-            return _evaluate(body, dict(zip(params, args)))
-        raise ValueError(f"{expr}: unsupported expression {ast.dump(node)}")
-    return ev(ast.parse(expr, mode="eval"))
+    return int(eval(_compiled(expr), _FUNCTIONS, env))  # noqa: S307 - our own checked text
 
 
 def to_cpp(expr: str, types=()) -> str:
@@ -154,3 +155,8 @@ def builtins_cpp() -> str:
         args = ", ".join(f"int {p}" for p in params)
         out.append(f"constexpr int {name}_bytes({args}) {{ return {to_cpp(body)}; }}")
     return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _offsets(layout: Layout, values: tuple) -> tuple:
+    return tuple(layout._offsets(dict(values)))
