@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
-           "sum_to_shape", "check_merge"]
+           "sum_to_shape", "check_merge", "mixed_kinds"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -129,6 +129,13 @@ def may_overlap(x, y) -> bool:
     """Whether two arrays' address ranges intersect (NumPy's may_share_memory, cheaply)."""
     (a0, a1), (b0, b1) = byte_bounds(x), byte_bounds(y)
     return a0 < b1 and b0 < a1
+
+
+def mixed_kinds(name: str, xp, ref: str, ref_xp) -> TypeError:
+    """The error for array ``name`` of another kind (numpy / cupy) than ``ref``."""
+    kind = {True: "numpy", False: "cupy"}
+    return TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
+                     f"{kind[xp is np]}, {ref} is {kind[ref_xp is np]}")
 
 
 def _device_id(x, xp):
@@ -307,9 +314,7 @@ def check_backward(call: AttentionCall, dout, out, lse):
                                   ("lse", lse, call.lse_shape, lse_dtype(call.dtype))):
         x, xm = as_array(x, name)
         if xm is not call.xp:
-            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
-                            f"{'numpy' if xm is np else 'cupy'}, q is "
-                            f"{'numpy' if call.xp is np else 'cupy'}")
+            raise mixed_kinds(name, xm, "q", call.xp)
         if x.dtype != dtype:
             raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
         if x.shape != shape:
@@ -343,15 +348,13 @@ def check_merge(outs, lses):
                          f"and {len(lses)} lses")
     if len(outs) == 0:
         raise ValueError("merge_attention needs at least one part, got none")
-    arrays = [as_array(x, f"outs[{i}]") for i, x in enumerate(outs)]
-    arrays += [as_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    named = ([(f"outs[{i}]", x) for i, x in enumerate(outs)]
+             + [(f"lses[{i}]", x) for i, x in enumerate(lses)])
+    arrays = [as_array(x, name) for name, x in named]
     xp = arrays[0][1]
-    names = [f"outs[{i}]" for i in range(len(outs))] + [f"lses[{i}]" for i in range(len(lses))]
-    for name, (_, xm) in zip(names, arrays):
+    for (name, _), (_, xm) in zip(named, arrays):
         if xm is not xp:
-            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
-                            f"{'numpy' if xm is np else 'cupy'}, outs[0] is "
-                            f"{'numpy' if xp is np else 'cupy'}")
+            raise mixed_kinds(name, xm, "outs[0]", xp)
     outs = [x for x, _ in arrays[:len(outs)]]
     lses = [x for x, _ in arrays[len(outs):]]
     first = outs[0]

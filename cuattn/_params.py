@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +50,6 @@ def _parse_structs(text: str) -> dict[str, list[tuple[str, str]]]:
 
 @functools.lru_cache(maxsize=32)
 def _dtype_in(directory: str, struct: str) -> np.dtype:
-    from pathlib import Path
     text = (Path(directory) / STRUCT_FILES[struct]).read_text()
     if STRUCT_FILES[struct] != "common/common.cuh":  # it may nest the common structs
         text = (Path(directory) / "common/common.cuh").read_text() + text

@@ -16,6 +16,7 @@ from ._checks import (
     check_attention,
     check_backward,
     check_flag,
+    mixed_kinds,
 )
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "multi_head_attention"]
@@ -274,9 +275,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
             continue
         w, xw = as_array(w, name)
         if xw is not xp:
-            raise TypeError(f"host and device arrays cannot be mixed in one call: {name} is "
-                            f"{'numpy' if xw is np else 'cupy'}, x is "
-                            f"{'numpy' if xp is np else 'cupy'}")
+            raise mixed_kinds(name, xw, "x", xp)
         if w.dtype != x.dtype:
             raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {w.dtype}")
         if w.shape != shape:

@@ -176,19 +176,6 @@ def itemsize(dtype) -> int:
     return 0 if dtype is None else np.dtype(dtype).itemsize
 
 
-def side_pitch(size: int, cols: int) -> int:
-    """Row pitch in bytes of a staged mask or bias tile of ``cols`` elements of ``size``
-    bytes (mma_tiles.cuh side_pitch: its 16-byte chunks, one more for a misaligned start)."""
-    return 16 * (cols * size // 16 + 1)
-
-
-def side_bytes(rows: int, cols: int, has_mask: bool, bias_itemsize: int) -> int:
-    """Shared memory of one stage of a kernel's mask and bias tiles (rows x cols elements;
-    bias_itemsize 0: no bias)."""
-    return rows * ((side_pitch(1, cols) if has_mask else 0)
-                   + (side_pitch(bias_itemsize, cols) if bias_itemsize else 0))
-
-
 #: shared memory of an sm_90 SM (228 KB), of which each resident block also takes 1 KB
 SM90_SMEM_PER_SM = 233472
 

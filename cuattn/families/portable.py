@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import lse_dtype
 from ._common import (
     DELTA,
     BackwardChoice,
@@ -70,8 +71,8 @@ PORTABLE_TILES = (
 
 
 def _acc_itemsize(dtype) -> int:
-    """Bytes of the accumulator type (Acc<T>): double for float64, else float."""
-    return 8 if np.dtype(dtype).name == "float64" else 4
+    """Bytes of the accumulator type (Acc<T>)."""
+    return lse_dtype(dtype).itemsize
 
 
 #: attention_fwd_portable, in elements of the accumulator type A with rows padded by 16
