@@ -142,9 +142,20 @@ def _device_id(x, xp):
     return None if xp is np else x.data.device_id
 
 
+def _real_scalar(value) -> bool:
+    """A Python or NumPy real number, or a 0-d NumPy/CuPy array of one; not a bool (an int)
+    nor a str (float() would convert it)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (getattr(value, "ndim", None) == 0 and dtype is not None
+            and np.dtype(dtype).kind in "iuf")
+
+
 def _positive_finite(value, name):
-    # bool is an int and a str converts with float(): neither is a scale
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not _real_scalar(value):
         raise TypeError(f"{name} must be a real number, got {name}={value!r} "
                         f"({type(value).__name__})")
     value = float(value)

@@ -43,6 +43,9 @@ v = np.ones((2, 3, 10, 12), f32)
     ((q, k, v), {"scale": True}, TypeError, "scale must be a real number"),
     ((q, k, v), {"softcap": "30"}, TypeError, "softcap must be a real number"),
     ((q, k, v), {"softcap": 1j}, TypeError, "softcap must be a real number"),
+    ((q, k, v), {"softcap": np.asarray(True)}, TypeError, "softcap must be a real number"),
+    ((q, k, v), {"scale": np.ones(1)}, TypeError, "scale must be a real number"),
+    ((q, k, v), {"scale": np.asarray(-0.5)}, ValueError, "scale must be finite and positive"),
 ])
 def test_errors(args, kw, exc, text):
     with pytest.raises(exc, match=text):
@@ -63,6 +66,12 @@ def test_numpy_scalars_and_bools_are_accepted():
     out = cuattn.attention(q, k, v, causal=np.bool_(True), return_lse=np.bool_(False),
                            scale=np.float32(0.25), softcap=np.int64(5))
     assert out.shape == (2, 3, 8, 12)
+
+
+def test_zero_d_arrays_are_scalars():
+    got = cuattn.attention(q, k, v, scale=np.asarray(0.25), softcap=np.asarray(5.0))
+    want = cuattn.attention(q, k, v, scale=0.25, softcap=5.0)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_read_only_out_is_refused_before_any_work():

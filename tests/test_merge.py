@@ -48,7 +48,7 @@ def test_low_precision_merge_is_as_accurate_as_one_call(dtype):
     ref, ref_lse = attention_reference(q, k, v)
     assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
     err_one = np.max(np.abs(one.astype(np.float64) - ref))
-    ulp = float(np.finfo(dtype).eps) * np.max(np.abs(ref))
+    ulp = float(ml_dtypes.finfo(dtype).eps) * np.max(np.abs(ref))
     assert np.max(np.abs(out.astype(np.float64) - ref)) <= err_one + 2 * ulp
     assert np.max(np.abs(lse - ref_lse)) <= 1e-5
 
@@ -119,6 +119,6 @@ def test_gpu_merge_matches_the_host_merge(dtype):
     one, one_lse = cuattn.attention(dq, dk, dv, causal=True, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, causal=True)
     err_one = np.max(np.abs(to_host(one).astype(np.float64) - ref))
-    ulp = float(np.finfo(dtype).eps) * np.max(np.abs(ref))
+    ulp = float(ml_dtypes.finfo(dtype).eps) * np.max(np.abs(ref))
     assert np.max(np.abs(to_host(out).astype(np.float64) - ref)) <= err_one + 2 * ulp
     assert np.max(np.abs(to_host(lse) - ref_lse)) <= (1e-12 if dtype == np.float64 else 1e-5)
