@@ -3,8 +3,9 @@
 ``cuattn.attention(q, k, v)`` runs cuattn's own CUDA kernels on CuPy arrays and a blocked
 NumPy implementation on NumPy arrays, with the same semantics (cuattn.reference).
 """
-from .attention import attention, attention_backward, attention_vjp, multi_head_attention
+from .attention import attention, attention_backward, attention_vjp
 from .elementwise import vector_add
+from .layers import multi_head_attention
 from .merge import merge_attention
 
 __version__ = "0.1.0"
