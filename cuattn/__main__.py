@@ -62,62 +62,115 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _vit_inputs(xp, dtype, rng):
+def _vit_inputs(rng):
     """A 224x224x3 image cut into 196 patches of 16x16, embedded to E=768, plus a class
-    token: x of shape (1, 197, 768), and the four projections of a 12-head layer."""
+    token: x of shape (1, 197, 768), and the four projections and four biases of a 12-head
+    layer, all float64."""
     image = rng.standard_normal((224, 224, 3))
     patches = image.reshape(14, 16, 14, 16, 3).transpose(0, 2, 1, 3, 4).reshape(196, 768)
     embed = rng.standard_normal((768, 768)) / math.sqrt(768)
     tokens = np.concatenate([rng.standard_normal((1, 768)), patches @ embed])[None]
     weights = [rng.standard_normal((768, 768)) / math.sqrt(768) for _ in range(4)]
-    return tokens, weights
+    biases = [0.1 * rng.standard_normal(768) for _ in range(4)]
+    return tokens, weights, biases
+
+
+def _torch_on_gpu():
+    """PyTorch if it imports and sees a GPU, else None."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch
+    except Exception:  # noqa: BLE001 - no PyTorch, or one without CUDA
+        pass
+    return None
+
+
+def _mean_ms(fn, cupy, warmup: int, reps: int):
+    """(mean milliseconds per call, last result) of ``fn`` after ``warmup`` calls; on the
+    GPU the device is synchronised before and after the timed calls, so work that either
+    CuPy or PyTorch queued is inside the time."""
+    for _ in range(warmup):
+        result = fn()
+    if cupy is not None:
+        cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        result = fn()
+    if cupy is not None:
+        cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3, result
+
+
+def _torch_layer_ms(torch, cupy, x, weights, biases, heads, warmup, reps) -> float:
+    """The same layer in PyTorch on the same device memory (DLPack), float32 products
+    without TF32 as cuattn's."""
+    from cuattn.bench import _torch_layer
+    tx, tw, tb = (torch.from_dlpack(x), [torch.from_dlpack(w) for w in weights],
+                  [torch.from_dlpack(b) for b in biases])
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            ms, _ = _mean_ms(lambda: _torch_layer(torch, tx, tw, tb, heads), cupy, warmup, reps)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return ms
 
 
 def cmd_demo(args) -> int:
+    import functools
+
     import ml_dtypes
 
     import cuattn
     from cuattn.reference import attention_reference
     rng = np.random.default_rng(0)
-    x64, w64 = _vit_inputs(np, np.float64, rng)
+    x64, w64, b64 = _vit_inputs(rng)
     heads, dh = 12, 64
 
     def reference():
-        proj = [(x64 @ w).reshape(1, 197, heads, dh).swapaxes(1, 2) for w in w64[:3]]
+        proj = [(x64 @ w + b).reshape(1, 197, heads, dh).swapaxes(1, 2)
+                for w, b in zip(w64[:3], b64[:3])]
         out, _ = attention_reference(*proj)
-        return out.swapaxes(1, 2).reshape(1, 197, 768) @ w64[3]
+        return out.swapaxes(1, 2).reshape(1, 197, 768) @ w64[3] + b64[3]
 
     want = reference()
     cupy = _gpu()
+    torch = _torch_on_gpu() if cupy is not None else None
     where = "GPU (cuattn CUDA kernels)" if cupy is not None else "CPU (NumPy backend; no GPU found)"
     print("ViT-B/16 self-attention: 224x224x3 image -> 196 patches of 16x16 + class token "
-          f"= 197 tokens, E=768, 12 heads of 64\nrunning on {where}")
+          f"= 197 tokens, E=768, 12 heads of 64, biases on the four projections\n"
+          f"running on {where}")
+    if torch is not None:
+        print(f"PyTorch {torch.__version__}: the same layer (x @ w + b projections, "
+              "scaled_dot_product_attention, @ w_o + b_o), timed the same way in this process")
     dtypes = [np.float32, np.float16, ml_dtypes.bfloat16] if cupy is not None else [np.float32]
     ok = True
     for dtype in dtypes:
         xp = cupy if cupy is not None else np
         x = xp.asarray(x64.astype(dtype))
         w = [xp.asarray(m.astype(dtype)) for m in w64]
+        b = [xp.asarray(v.astype(dtype)) for v in b64]
+        biases = dict(zip(("b_q", "b_k", "b_v", "b_o"), b))
         # on the GPU, 100 calls first (the clocks rise from idle and the kernels compile),
-        # then the mean of 200: 20 calls after one gave 0.35-0.72 ms for the same float16
-        # layer on an H200
+        # then the mean of 200: a few calls after the first vary twofold on an H200
         warmup, reps = (100, 200) if cupy is not None else (1, 20)
-        for _ in range(warmup):
-            y = cuattn.multi_head_attention(x, *w, num_heads=heads)
-        if cupy is not None:
-            cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            y = cuattn.multi_head_attention(x, *w, num_heads=heads)
-        if cupy is not None:
-            cupy.cuda.Device().synchronize()
-        ms = (time.perf_counter() - t0) / reps * 1e3
+        layer = functools.partial(cuattn.multi_head_attention, x, *w, num_heads=heads, **biases)
+        ms, y = _mean_ms(layer, cupy, warmup, reps)
+        peer = ""
+        if torch is not None:
+            try:
+                torch_ms = _torch_layer_ms(torch, cupy, x, w, b, heads, warmup, reps)
+                peer = f" (PyTorch {torch_ms:7.3f} ms)"
+            except Exception as exc:  # noqa: BLE001 - a PyTorch that cannot run this dtype
+                peer = f" (PyTorch: {type(exc).__name__})"
         got = (cupy.asnumpy(y) if cupy is not None else y).astype(np.float64)
         err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         tol = 1e-5 if dtype == np.float32 else 3e-2
         ok &= err <= tol
-        print(f"  {np.dtype(dtype).name:8s}: {ms:7.3f} ms per layer, max error vs float64 "
-              f"reference {err:.2e} (relative to max|y|; tolerance {tol:.0e}) "
+        print(f"  {np.dtype(dtype).name:8s}: {ms:7.3f} ms per layer{peer}, max error vs "
+              f"float64 reference {err:.2e} (relative to max|y|; tolerance {tol:.0e}) "
               f"{'ok' if err <= tol else 'FAILED'}")
     return 0 if ok else 1
 

@@ -10,6 +10,13 @@ for causal; backward 2.5× that. A backward row times the gradients alone: cuatt
 ``torch.autograd.grad`` through a retained graph of one forward. Peak extra device memory
 is the CuPy pool's (or PyTorch's) high-water mark of one call minus what was held before
 it. ``--report DIR`` writes the performance page of the docs from the run.
+
+The ``vit`` suite also times whole layers on ViT-B/16 shapes: ``multi_head_attention``
+(with separate weights, and with Q, K and V weights packed in one ``(E, 3E)`` array)
+against the same layer in PyTorch (``x @ w + b`` projections, SDPA, ``@ w_o + b_o``), and
+the encoder block of the docs' ViT page against ``torch.nn.TransformerEncoderLayer``. Their
+FLOPs are 2·M·E² per projection (M = B·N tokens) plus attention's, and 16·M·E² more for
+the block's MLP.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ __all__ = ["SUITES", "run", "write_report"]
 @dataclass
 class Case:
     suite: str
-    kind: str                 # "attention" or "vector_add"
+    kind: str                 # "attention", "vector_add", "layer" or "block" (see LAYERS)
     dtype: str
     batch: int = 1
     heads: int = 1
@@ -47,6 +54,9 @@ class Case:
     def label(self) -> str:
         if self.kind == "vector_add":
             return f"vector_add n=2^{int(math.log2(self.n))} {self.dtype}"
+        if self.kind in LAYERS:
+            return (f"{LAYERS[self.kind]} B{self.batch} N{self.seqlen} "
+                    f"E{self.heads * self.head_dim} H{self.heads} {self.dtype}")
         extra = (" causal" if self.causal else "")
         extra += f" {self.precision}" if self.precision else ""
         extra += f" {self.side}" if self.side else ""
@@ -58,7 +68,14 @@ class Case:
     def flops(self) -> float:
         f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
         f = f / 2 if self.causal else f
+        if self.kind in LAYERS:  # four projections, and the block's MLP of 4E
+            tokens_e2 = self.batch * self.seqlen * (self.heads * self.head_dim) ** 2
+            return f + 8.0 * tokens_e2 + (16.0 * tokens_e2 if self.kind == "block" else 0.0)
         return 2.5 * f if self.direction == "bwd" else f
+
+
+#: the whole-layer case kinds and the names their labels start with
+LAYERS = {"layer": "multi_head_attention", "block": "vit_block"}
 
 
 @dataclass
@@ -83,6 +100,11 @@ def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,)
             for dt in dtypes for sd in sides for c in causals for p in precisions]
 
 
+def _layer_cases(suite, batches, dtypes, heads=12, seqlen=197, head_dim=64):
+    return [Case(suite, kind, dt, b, heads, seqlen, head_dim)
+            for kind in LAYERS for b in batches for dt in dtypes]
+
+
 def _train_shapes():
     return [(16384 // s, 2048 // d, s, d) for d in (64, 128, 256)
             for s in (512, 1024, 2048, 4096, 8192, 16384)]
@@ -91,7 +113,8 @@ def _train_shapes():
 SUITES = {
     "vector_add": [Case("vector_add", "vector_add", dt, n=1 << 28)
                    for dt in ("float32", "float16")],
-    "vit": _attn_cases("vit", [(64, 12, 197, 64)], ("float16", "bfloat16", "float32"), (False,)),
+    "vit": _attn_cases("vit", [(64, 12, 197, 64)], ("float16", "bfloat16", "float32"), (False,))
+    + _layer_cases("vit", (1, 64), ("float16", "bfloat16", "float32")),
     "fp32": _attn_cases("fp32", [(4, 16, 4096, 64), (4, 16, 4096, 128)], ("float32",),
                         precisions=("highest", "tf32"), directions=("fwd", "bwd")),
     "long": _attn_cases("long", [(1, 16, 16384, 128), (1, 16, 32768, 128)],
@@ -292,6 +315,142 @@ def _backward_impls(case: Case, cupy, torch, q, k, v, scale, side, backward_kern
     return impls
 
 
+# ---- whole layers: multi_head_attention and the ViT encoder block -----------------------
+
+def _layer_rows(case: Case, cupy, torch):
+    """cuattn's layer or block and the same computation in PyTorch, timed as the attention
+    rows are (float32 PyTorch products without TF32, as cuattn's)."""
+    dtype = np.dtype(case.dtype)
+    rng = np.random.default_rng(0)
+    e = case.heads * case.head_dim
+    x = cupy.asarray(rng.standard_normal((case.batch, case.seqlen, e)).astype(dtype))
+    impls = (_layer_impls if case.kind == "layer" else _block_impls)(case, cupy, torch, x, rng)
+    rows = []
+    for name, fn in impls.items():
+        allow_tf32 = None
+        try:
+            if torch is not None and dtype == np.float32:
+                allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = False
+            ms = _time(fn, cupy)
+            mb = _peak_extra_mb(fn, cupy, torch if name.startswith("torch") else None)
+            rows.append(Row(name, ms, case.flops / ms / 1e9, mb))
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case
+            rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
+        finally:
+            if allow_tf32 is not None:
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _normal(xp, rng, shape, scale, dtype, mean=0.0):
+    return xp.asarray((mean + scale * rng.standard_normal(shape)).astype(dtype))
+
+
+def _layer_impls(case: Case, cupy, torch, x, rng):
+    import cuattn
+    e, heads = x.shape[-1], case.heads
+    ws = [_normal(cupy, rng, (e, e), e ** -0.5, x.dtype) for _ in range(4)]
+    bs = [_normal(cupy, rng, e, 0.1, x.dtype) for _ in range(4)]
+    w_qkv, b_qkv = cupy.concatenate(ws[:3], axis=1), cupy.concatenate(bs[:3])
+    pw = [w_qkv[:, i * e:(i + 1) * e] for i in range(3)]
+    pb = [b_qkv[i * e:(i + 1) * e] for i in range(3)]
+    impls = {
+        "cuattn": lambda: cuattn.multi_head_attention(
+            x, *ws, num_heads=heads, b_q=bs[0], b_k=bs[1], b_v=bs[2], b_o=bs[3]),
+        "cuattn packed qkv": lambda: cuattn.multi_head_attention(
+            x, *pw, ws[3], num_heads=heads, b_q=pb[0], b_k=pb[1], b_v=pb[2], b_o=bs[3]),
+    }
+    if torch is not None:
+        tx, tws, tbs = (torch.from_dlpack(x), [torch.from_dlpack(w) for w in ws],
+                        [torch.from_dlpack(b) for b in bs])
+
+        def torch_layer():
+            with torch.inference_mode():
+                return _torch_layer(torch, tx, tws, tbs, heads)
+        impls["torch layer"] = torch_layer
+    return impls
+
+
+def _torch_layer(torch, x, ws, bs, heads):
+    """multi_head_attention in PyTorch: ``x @ w + b`` projections, SDPA, ``@ w_o + b_o``."""
+    b, n, e = x.shape
+    q, k, v = ((x @ w + bias).view(b, n, heads, e // heads).transpose(1, 2)
+               for w, bias in zip(ws[:3], bs[:3]))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(b, n, e) @ ws[3] + bs[3]
+
+
+def _block_impls(case: Case, cupy, torch, x, rng):
+    e = x.shape[-1]
+    p = _block_params(cupy, rng, e, 4 * e, x.dtype)
+    impls = {"cuattn": lambda: _vit_block(x, p, case.heads)}
+    if torch is not None:
+        tx = torch.from_dlpack(x)
+        layer = torch.nn.TransformerEncoderLayer(
+            e, case.heads, 4 * e, activation="gelu", batch_first=True, norm_first=True,
+            device=tx.device, dtype=tx.dtype).eval()
+
+        def torch_block():
+            with torch.inference_mode():
+                return layer(tx)
+        impls["torch TransformerEncoderLayer"] = torch_block
+    return impls
+
+
+def _block_params(xp, rng, embed, hidden, dtype):
+    """Random parameters of the docs' ViT block (its ``init_block``)."""
+    n = functools.partial(_normal, xp, rng, dtype=dtype)
+    return {"ln1_g": n(embed, 0.1, mean=1.0), "ln1_b": n(embed, 0.1),
+            "w_qkv": n((embed, 3 * embed), embed ** -0.5), "b_qkv": n(3 * embed, 0.1),
+            "w_o": n((embed, embed), embed ** -0.5), "b_o": n(embed, 0.1),
+            "ln2_g": n(embed, 0.1, mean=1.0), "ln2_b": n(embed, 0.1),
+            "w_fc1": n((embed, hidden), embed ** -0.5), "b_fc1": n(hidden, 0.1),
+            "w_fc2": n((hidden, embed), hidden ** -0.5), "b_fc2": n(embed, 0.1)}
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def _work_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _layer_norm(x, gamma, beta, eps=1e-6):
+    a = x.astype(_work_dtype(x.dtype))
+    mean = a.mean(axis=-1, keepdims=True)
+    var = ((a - mean) ** 2).mean(axis=-1, keepdims=True)
+    return ((a - mean) / _xp(x).sqrt(var + eps) * gamma + beta).astype(x.dtype)
+
+
+def _gelu_tanh(a):
+    return 0.5 * a * (1 + _xp(a).tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
+
+
+def _vit_block(x, p, num_heads):
+    """The pre-norm encoder block of docs/vit.rst (``vit_block``), step for step; the tests
+    hold the two to the same bits."""
+    import cuattn
+    e = x.shape[-1]
+    w, b = p["w_qkv"], p["b_qkv"]
+    h = _layer_norm(x, p["ln1_g"], p["ln1_b"])
+    x = x + cuattn.multi_head_attention(
+        h, w[:, :e], w[:, e:2 * e], w[:, 2 * e:], p["w_o"], num_heads=num_heads,
+        b_q=b[:e], b_k=b[e:2 * e], b_v=b[2 * e:], b_o=p["b_o"])
+    work = _work_dtype(x.dtype)
+    h = _layer_norm(x, p["ln2_g"], p["ln2_b"]).reshape(-1, e)
+    h = _gelu_tanh((h @ p["w_fc1"]).astype(work) + p["b_fc1"]).astype(x.dtype)
+    h = ((h @ p["w_fc2"]).astype(work) + p["b_fc2"]).astype(x.dtype)
+    return x + h.reshape(x.shape)
+
+
 # ---- vector add ----------------------------------------------------------------------
 
 def _triton_add(torch, triton):
@@ -488,13 +647,14 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
     results = []
     for name in suites:
         for case in SUITES[name]:
-            if case.kind == "attention" and (
+            if case.kind != "vector_add" and (
                     (direction is not None and case.direction != direction)
                     or (max_seqlen is not None and case.seqlen > max_seqlen)
                     or not all(m in case.label.split() for m in match)):
                 continue
             t0 = time.perf_counter()
             rows = (_vector_add_rows(case, cupy, torch) if case.kind == "vector_add" else
+                    _layer_rows(case, cupy, torch) if case.kind in LAYERS else
                     _attention_rows(case, cupy, torch, backward_kernel))
             results.append(Result(case, rows))
             ours = next((r for r in rows if r.impl == "cuattn"), None)

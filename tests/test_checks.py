@@ -130,6 +130,46 @@ def test_multi_head_attention_errors():
         cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, causal="no")
     with pytest.raises(TypeError, match="x has dtype int64"):
         cuattn.multi_head_attention(np.ones((2, 5, 12), np.int64), w, w, w, w, num_heads=3)
+    with pytest.raises(TypeError, match="w_k must be an array, got None"):
+        cuattn.multi_head_attention(x, w, None, w, w, num_heads=3)
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got num_heads=0"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=0)
+    with pytest.raises(ValueError, match="head dim E // num_heads = 1026"):
+        big = np.ones((1026, 1026), f32)
+        cuattn.multi_head_attention(np.ones((1, 2, 1026), f32), big, big, big, big, num_heads=1)
+
+
+def test_multi_head_attention_mask_errors():
+    x = np.ones((2, 5, 12), f32)
+    w = np.ones((12, 12), f32)
+    with pytest.raises(TypeError, match="mask must be a bool array, got dtype float32"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, mask=np.ones((5, 5), f32))
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 5, 4\) does not broadcast to "
+                                         r"\(\.\.\., num_heads, N, N\) = \(2, 3, 5, 5\)"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, mask=np.ones((2, 5, 4), bool))
+    with pytest.raises(ValueError, match="does not broadcast"):  # no new batch axes
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3,
+                                    mask=np.ones((4, 2, 3, 5, 5), bool))
+    with pytest.raises(TypeError, match="mask must be a numpy.ndarray"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, mask=[[True] * 5] * 5)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64],
+                         ids=lambda d: np.dtype(d).name)
+def test_multi_head_attention_precision_errors(dtype):
+    x = np.ones((2, 5, 12), f32)
+    w = np.ones((12, 12), f32)
+    with pytest.raises(ValueError, match="precision must be 'highest' or 'tf32', got "
+                                         "precision='fast'"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, precision="fast")
+    with pytest.raises(ValueError, match="precision must be 'highest' or 'tf32', got "
+                                         "precision=32"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, precision=32)
+    x, w = x.astype(dtype), w.astype(dtype)
+    with pytest.raises(ValueError, match=f"precision applies to float32 only, got "
+                                         f"precision='tf32' for {np.dtype(dtype).name} inputs"):
+        cuattn.multi_head_attention(x, w, w, w, w, num_heads=3, precision="tf32")
+    assert cuattn.multi_head_attention(x, w, w, w, w, num_heads=3).dtype == dtype
 
 
 def test_mixing_host_and_device_is_a_type_error():
