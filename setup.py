@@ -38,7 +38,10 @@ setup(
         # so that a machine with only a driver works
         "cuda13": ["cupy-cuda13x[ctk]>=14.2,<15"],
         "cuda12": ["cupy-cuda12x[ctk]>=14.2,<15"],
-        "test": ["pytest>=7", "hypothesis>=6", "scipy>=1.10"],
+        # Dask arrays in, Dask arrays out; distributed for clusters (one worker per GPU)
+        "dask": ["dask[array,distributed]>=2024.1"],
+        "test": ["pytest>=7", "hypothesis>=6", "scipy>=1.10",
+                 "dask[array,distributed]>=2024.1"],
         # the NVRTC resource gate (pytest -m gate) compiles with the NVRTC minor version of
         # the GPU machines (13.0), so that its register and spill counts are theirs; install
         # it apart from the cuda13 extra, whose toolkit wheels are newer

@@ -88,6 +88,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
                                 return_lse, precision)
         if result is not None:
             return result
+    if _any_dask(q, k, v, mask, bias):
+        from . import _dask
+        return _dask.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                               bias=bias, softcap=softcap, return_lse=return_lse,
+                               precision=precision, out=out)
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, return_lse=return_lse,
                            precision=precision, out=out)
@@ -145,6 +150,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     >>> dq.shape, dk.shape, dv.shape
     ((2, 8, 4), (2, 8, 4), (2, 8, 4))
     """
+    if _any_dask(dout, q, k, v, out, lse, mask, bias):
+        from . import _dask
+        return _dask.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal,
+                                        window=window, mask=mask, bias=bias, softcap=softcap,
+                                        precision=precision)
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, precision=precision)
     dout, out, lse = check_backward(call, dout, out, lse)
@@ -169,6 +179,9 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
     """
     kwargs = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                   softcap=softcap, precision=precision)
+    if _any_dask(q, k, v, mask, bias):
+        from . import _dask
+        return _dask.attention_vjp(q, k, v, **kwargs)
     call = check_attention(q, k, v, return_lse=True, **kwargs)
     out, lse = _forward(call)
 
@@ -176,6 +189,12 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
         return attention_backward(dout, q, k, v, out, lse, **kwargs)
 
     return out, vjp
+
+
+def _any_dask(*arrays) -> bool:
+    """Whether any argument is a Dask array (by its collection protocol: Dask stays
+    unimported unless the caller uses it)."""
+    return any(hasattr(x, "__dask_graph__") for x in arrays)
 
 
 def _forward(call: AttentionCall, kernel: str | None = None, tiles=None):

@@ -36,7 +36,7 @@ __all__ = ["SUITES", "run", "write_report"]
 @dataclass
 class Case:
     suite: str
-    kind: str                 # "attention", "vector_add", "layer" or "block" (see LAYERS)
+    kind: str                 # "attention", "vector_add", "dask", "layer" or "block" (LAYERS)
     dtype: str
     batch: int = 1
     heads: int = 1
@@ -124,7 +124,12 @@ SUITES = {
     "fp64": _attn_cases("fp64", [(1, 16, 4096, 64)], ("float64",)),
     "masked": _attn_cases("masked", [(4, 32, 4096, 64), (4, 16, 4096, 128)], ("bfloat16",),
                           directions=("fwd", "bwd"), sides=("mask", "bias")),
+    "dask": [Case("dask", "dask", dt, 1, 16, 32768, 128, c)
+             for dt in ("bfloat16", "float32") for c in (False, True)],
 }
+#: the chunkings of the dask suite's rows: (label, query chunks, key chunks)
+DASK_SPLITS = (("dask 4 key chunks", 1, 4), ("dask 4 query chunks", 4, 1),
+               ("dask 2x2 chunks", 2, 2))
 
 
 # ---- timing and memory ---------------------------------------------------------------
@@ -214,6 +219,41 @@ def _attention_rows(case: Case, cupy, torch, backward_kernel=None):
             cupy.get_default_memory_pool().free_all_blocks()
             if torch is not None:
                 torch.cuda.empty_cache()
+    return rows
+
+
+def _dask_rows(case: Case, cupy):
+    """One attention call against the same call on Dask arrays of CuPy chunks (threaded
+    scheduler), the graph built and computed inside each timed call. Needs Dask."""
+    import cuattn
+    dtype = np.dtype(case.dtype)
+    shape = (case.batch, case.heads, case.seqlen, case.head_dim)
+    q, k, v = (cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+               for _ in range(3))
+    impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal)}
+    try:
+        import dask.array as da
+    except ImportError:
+        da = None
+    for label, q_parts, k_parts in DASK_SPLITS:
+        def chunked(x, parts):
+            return da.from_array(x, chunks=shape[:2] + (case.seqlen // parts, case.head_dim),
+                                 asarray=False)
+        if da is not None:
+            dq, dk, dv = chunked(q, q_parts), chunked(k, k_parts), chunked(v, k_parts)
+            impls[label] = (lambda dq=dq, dk=dk, dv=dv: cuattn.attention(
+                dq, dk, dv, causal=case.causal).compute(scheduler="threads"))
+    rows = []
+    for name, fn in impls.items():
+        try:
+            ms = _time(fn, cupy)
+            rows.append(Row(name, ms, case.flops / ms / 1e9, _peak_extra_mb(fn, cupy, None)))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
+        finally:
+            cupy.get_default_memory_pool().free_all_blocks()
+    if da is None:
+        rows.append(Row("dask", note="Dask is not installed (pip install \"cuattn[dask]\")"))
     return rows
 
 
@@ -655,6 +695,7 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
             t0 = time.perf_counter()
             rows = (_vector_add_rows(case, cupy, torch) if case.kind == "vector_add" else
                     _layer_rows(case, cupy, torch) if case.kind in LAYERS else
+                    _dask_rows(case, cupy) if case.kind == "dask" else
                     _attention_rows(case, cupy, torch, backward_kernel))
             results.append(Result(case, rows))
             ours = next((r for r in rows if r.impl == "cuattn"), None)

@@ -5,11 +5,16 @@
 #   tools/gpu_cycle.sh LOGDIR bench [ARGS...]          python -m cuattn bench
 # Each stage writes its full log to LOGDIR and prints its last lines; the exit status is the
 # stage's. Workers for the tests: one per core (pytest-xdist), each with its own kernel cache
-# in the shared CUPY_CACHE_DIR.
+# in the shared CUPY_CACHE_DIR. On a machine without a package index, WHEELS=DIR installs
+# Dask (the dask extra, for tests/test_dask.py) from wheels brought in DIR.
 set -uo pipefail
 logdir=$1; stage=$2; shift 2
 mkdir -p "$logdir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUATTN_REQUIRE_GPU=1
+if [ -n "${WHEELS:-}" ] && ! python3 -c "import dask.array, distributed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links "$WHEELS" "dask[array,distributed]" \
+    > "$logdir/wheels.log" 2>&1 || echo "installing Dask from $WHEELS failed: $logdir/wheels.log"
+fi
 case $stage in
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
