@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
-           "sum_to_shape", "check_merge", "mixed_kinds"]
+           "sum_to_shape", "check_merge", "mixed_kinds", "Ragged", "check_ragged"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -395,3 +395,114 @@ def check_merge(outs, lses):
                 raise ValueError(f"{name} is on device {_device_id(x, xp)} but outs[0] is on "
                                  f"device {device}")
     return outs, lses, xp
+
+
+@dataclass(slots=True)
+class Ragged:
+    """The packed sequences or the per-entry key lengths of a validated call. Host
+    (NumPy) metadata is int64; ``k_lengths`` is broadcast to the batch shape (a view)."""
+    q_offsets: Any = None
+    k_offsets: Any = None
+    max_q_len: int | None = None
+    max_k_len: int | None = None
+    k_lengths: Any = None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the metadata is host memory (readable without touching the device)."""
+        arrays = (self.q_offsets, self.k_offsets, self.k_lengths)
+        return all(x is None or isinstance(x, np.ndarray) for x in arrays)
+
+
+def _index_array(x, name: str, call: AttentionCall):
+    """An integer array argument, host memory or (for a CuPy call) device memory."""
+    x, xm = as_array(x, name)
+    if xm is not np and xm is not call.xp:
+        raise mixed_kinds(name, xm, "q", call.xp)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if xm is np:
+        return x.astype(np.int64, copy=False)
+    if x.data.device_id != call.q.data.device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id} but q is on device "
+                         f"{call.q.data.device_id}")
+    return x
+
+
+def _length(value, name: str, limit: int, longest: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{name} must be between 0 and {limit}, got {name}={value}")
+    if longest is not None and value < longest:
+        raise ValueError(f"{name}={value} is less than the longest sequence ({longest})")
+    return int(value)
+
+
+def check_ragged(call: AttentionCall, q_offsets=None, k_offsets=None, max_q_len=None,
+                 max_k_len=None, k_lengths=None) -> Ragged | None:
+    """Validate the packed-sequence arguments (``q_offsets``, ``k_offsets``, ``max_q_len``,
+    ``max_k_len``) or the key lengths (``k_lengths``) of a validated call; None when none
+    is given (docs/semantics.rst, "Packed sequences" and "Key lengths")."""
+    if q_offsets is None and k_offsets is None and k_lengths is None:
+        if max_q_len is not None or max_k_len is not None:
+            raise ValueError("max_q_len and max_k_len go with q_offsets and k_offsets")
+        return None
+    if k_lengths is not None:
+        if q_offsets is not None or k_offsets is not None:
+            raise ValueError("k_lengths cannot be combined with q_offsets and k_offsets "
+                             "(the offsets give every sequence its keys)")
+        if max_q_len is not None or max_k_len is not None:
+            raise ValueError("max_q_len and max_k_len go with q_offsets and k_offsets")
+        lengths = _index_array(k_lengths, "k_lengths", call)
+        try:
+            fits = np.broadcast_shapes(lengths.shape, call.batch_shape) == call.batch_shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"k_lengths of shape {lengths.shape} does not broadcast to the "
+                             f"batch shape {call.batch_shape}")
+        if isinstance(lengths, np.ndarray):
+            if lengths.size and (lengths.min() < 0 or lengths.max() > call.seqlen_k):
+                raise ValueError(f"k_lengths must be between 0 and Sk={call.seqlen_k}, got "
+                                 f"values from {lengths.min()} to {lengths.max()}")
+            lengths = np.broadcast_to(lengths, call.batch_shape)
+        return Ragged(k_lengths=lengths)
+    if q_offsets is None or k_offsets is None:
+        raise ValueError("q_offsets and k_offsets are given together (got only "
+                         f"{'q_offsets' if k_offsets is None else 'k_offsets'})")
+    if call.mask is not None or call.bias is not None:
+        raise NotImplementedError("mask and bias cannot be combined with q_offsets and "
+                                  "k_offsets")
+    offsets = []
+    for name, x, total in (("q_offsets", q_offsets, call.seqlen_q),
+                           ("k_offsets", k_offsets, call.seqlen_k)):
+        x = _index_array(x, name, call)
+        if x.ndim != 1 or x.shape[0] < 1:
+            raise ValueError(f"{name} must be a 1-D array of n + 1 offsets (n sequences), "
+                             f"got shape {x.shape}")
+        if isinstance(x, np.ndarray):
+            what = "Tq" if name == "q_offsets" else "Tk"
+            if x[0] != 0 or x[-1] != total:
+                raise ValueError(f"{name} must start at 0 and end at {what}={total}, got "
+                                 f"{x[0]} .. {x[-1]}")
+            if np.any(np.diff(x) < 0):
+                raise ValueError(f"{name} must be non-decreasing")
+        offsets.append(x)
+    q_off, k_off = offsets
+    if q_off.shape != k_off.shape:
+        raise ValueError(f"q_offsets and k_offsets must have one length (n + 1 for n "
+                         f"sequences), got {q_off.shape[0]} and {k_off.shape[0]}")
+    lengths = []
+    for name, x, given, total in (("max_q_len", q_off, max_q_len, call.seqlen_q),
+                                  ("max_k_len", k_off, max_k_len, call.seqlen_k)):
+        if isinstance(x, np.ndarray):
+            longest = int(np.diff(x).max()) if x.shape[0] > 1 else 0
+            lengths.append(longest if given is None else _length(given, name, total, longest))
+        elif given is None:
+            raise ValueError(f"device offsets need {name} (an int): it is not read from the "
+                             f"device behind the caller's back")
+        else:
+            lengths.append(_length(given, name, total, None))
+    return Ragged(q_offsets=q_off, k_offsets=k_off, max_q_len=lengths[0],
+                  max_k_len=lengths[1])

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cpu, _gpu
+from . import _cpu, _gpu, _ragged
 from ._checks import (
     AttentionCall,
     check_attention,
     check_backward,
+    check_ragged,
 )
 
 __all__ = ["attention", "attention_backward", "attention_vjp"]
 
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
-              softcap=None, return_lse=False, precision=None, out=None):
+              softcap=None, return_lse=False, precision=None, out=None, q_offsets=None,
+              k_offsets=None, max_q_len=None, max_k_len=None, k_lengths=None):
     """Exact scaled dot-product attention, ``softmax(scale · q kᵀ + bias) v``, in O(S) memory.
 
     Parameters
@@ -52,6 +54,17 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
         "tf32" allows TF32 tensor cores.
     out : (..., Sq, Dv) ndarray, optional
         Where to write the result; dtype of q, not overlapping any input.
+    q_offsets, k_offsets : (n + 1,) int ndarray, optional
+        Packed sequences: q and k (and v) hold n sequences one after another along the
+        sequence axis; sequence s has rows ``q_offsets[s]:q_offsets[s+1]`` and keys
+        ``k_offsets[s]:k_offsets[s+1]`` and sees only its own keys, with causal and window
+        aligned to its own bottom-right corner. Non-decreasing, from 0 to Sq (Sk). Given
+        together; not with mask or bias.
+    max_q_len, max_k_len : int, optional
+        The longest sequence's rows and keys; computed from host offsets.
+    k_lengths : int ndarray, optional
+        Broadcastable to the batch shape: entry b has only its first ``k_lengths[b]`` keys,
+        and causal and window align to that length.
 
     Returns
     -------
@@ -83,12 +96,17 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     >>> out.shape, lse.shape, out.dtype
     ((2, 4, 16, 8), (2, 4, 16), dtype('float32'))
     """
-    if out is None:
+    ragged_args = (q_offsets, k_offsets, max_q_len, max_k_len, k_lengths)
+    plain = all(x is None for x in ragged_args)
+    if out is None and plain:
         result = _gpu.repeated_call(q, k, v, mask, bias, window, scale, causal, softcap,
-                                return_lse, precision)
+                                    return_lse, precision)
         if result is not None:
             return result
     if _any_dask(q, k, v, mask, bias):
+        if not plain:
+            raise NotImplementedError("packed sequences and k_lengths are not supported "
+                                      "with Dask arrays")
         from . import _dask
         return _dask.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                                bias=bias, softcap=softcap, return_lse=return_lse,
@@ -96,12 +114,14 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, return_lse=return_lse,
                            precision=precision, out=out)
-    out, lse = _forward(call)
+    ragged = None if plain else _check_ragged(call, *ragged_args)
+    out, lse = _forward(call) if ragged is None else _ragged.forward(call, ragged)
     return (out, lse) if call.return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
-                       mask=None, bias=None, softcap=None, precision=None):
+                       mask=None, bias=None, softcap=None, precision=None, q_offsets=None,
+                       k_offsets=None, max_q_len=None, max_k_len=None, k_lengths=None):
     """Gradients of :func:`attention` with respect to q, k and v.
 
     FlashAttention-2's algorithm: the attention probabilities are recomputed tile by tile
@@ -119,6 +139,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
         The forward's ``lse`` (``return_lse=True``): float32, or float64 for float64.
     scale, causal, window, mask, bias, softcap, precision
         As given to the forward. ``bias`` is treated as a constant.
+    q_offsets, k_offsets, max_q_len, max_k_len, k_lengths
+        As given to the forward.
 
     Returns
     -------
@@ -150,7 +172,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     >>> dq.shape, dk.shape, dv.shape
     ((2, 8, 4), (2, 8, 4), (2, 8, 4))
     """
+    ragged_args = (q_offsets, k_offsets, max_q_len, max_k_len, k_lengths)
+    plain = all(x is None for x in ragged_args)
     if _any_dask(dout, q, k, v, out, lse, mask, bias):
+        if not plain:
+            raise NotImplementedError("packed sequences and k_lengths are not supported "
+                                      "with Dask arrays")
         from . import _dask
         return _dask.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal,
                                         window=window, mask=mask, bias=bias, softcap=softcap,
@@ -158,11 +185,15 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, precision=precision)
     dout, out, lse = check_backward(call, dout, out, lse)
+    ragged = None if plain else _check_ragged(call, *ragged_args)
+    if ragged is not None:
+        return _ragged.backward(call, ragged, dout, out, lse)
     return _backward(call, dout, out, lse)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
-                  softcap=None, precision=None):
+                  softcap=None, precision=None, q_offsets=None, k_offsets=None, max_q_len=None,
+                  max_k_len=None, k_lengths=None):
     """The forward and a function that computes its vector-Jacobian product.
 
     Returns ``(out, vjp)``: ``out`` is ``attention(q, k, v, ...)`` and ``vjp(dout)`` returns
@@ -179,9 +210,22 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
     """
     kwargs = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                   softcap=softcap, precision=precision)
+    ragged_kw = dict(q_offsets=q_offsets, k_offsets=k_offsets, max_q_len=max_q_len,
+                     max_k_len=max_k_len, k_lengths=k_lengths)
+    plain = all(x is None for x in ragged_kw.values())
     if _any_dask(q, k, v, mask, bias):
+        if not plain:
+            raise NotImplementedError("packed sequences and k_lengths are not supported "
+                                      "with Dask arrays")
         from . import _dask
         return _dask.attention_vjp(q, k, v, **kwargs)
+    if not plain:
+        out, lse = attention(q, k, v, return_lse=True, **kwargs, **ragged_kw)
+
+        def ragged_vjp(dout):
+            return attention_backward(dout, q, k, v, out, lse, **kwargs, **ragged_kw)
+
+        return out, ragged_vjp
     call = check_attention(q, k, v, return_lse=True, **kwargs)
     out, lse = _forward(call)
 
@@ -189,6 +233,15 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
         return attention_backward(dout, q, k, v, out, lse, **kwargs)
 
     return out, vjp
+
+
+def _check_ragged(call: AttentionCall, *ragged_args):
+    """The validated ragged metadata of a call; device metadata is not served."""
+    ragged = check_ragged(call, *ragged_args)
+    if ragged is not None and not ragged.on_host:
+        raise NotImplementedError("q_offsets, k_offsets and k_lengths in device memory are "
+                                  "not supported; pass them as NumPy arrays")
+    return ragged
 
 
 def _any_dask(*arrays) -> bool:

@@ -21,7 +21,8 @@ from ._checks import AttentionCall, check_attention, sum_to_shape
 
 __all__ = ["attention_reference", "attention_backward_reference", "attention_blocked",
            "attention_backward_blocked", "allowed_keys", "naive_attention",
-           "naive_attention_backward", "accuracy_bound", "sum_to_shape"]
+           "naive_attention_backward", "accuracy_bound", "sum_to_shape", "packed_mask",
+           "lengths_mask"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -55,6 +56,42 @@ def allowed_keys(call: AttentionCall, rows: slice, cols: slice, mask=None):
     if mask is not None:
         ok = ok & _block(_host(mask), rows, cols)
     return ok
+
+
+def _band(i, j, off, window):
+    """Is key j allowed for row i under the band ``window`` = (left, right) (-1: unbounded,
+    causal is right = 0) centred on ``i + off``?"""
+    left, right = (-1 if w is None else w for w in window)
+    ok = np.ones(np.broadcast_shapes(np.shape(i), np.shape(j), np.shape(off)), dtype=bool)
+    if left >= 0:
+        ok &= j >= i + off - left
+    if right >= 0:
+        ok &= j <= i + off + right
+    return ok
+
+
+def packed_mask(q_offsets, k_offsets, window=(-1, -1)):
+    """The (Tq, Tk) bool mask that says the same as packed sequences: row i of sequence s
+    sees key j of sequence s inside the band aligned to the bottom-right corner of the
+    sequence's own block (``causal`` is ``window=(-1, 0)``)."""
+    q_off, k_off = np.asarray(_host(q_offsets)), np.asarray(_host(k_offsets))
+    tq, tk = int(q_off[-1]), int(k_off[-1])
+    seq_q = np.searchsorted(q_off, np.arange(tq), side="right") - 1
+    seq_k = np.searchsorted(k_off, np.arange(tk), side="right") - 1
+    i = np.arange(tq)[:, None] - q_off[seq_q][:, None]   # row within its sequence
+    j = np.arange(tk)[None, :] - k_off[seq_k][None, :]   # key within its sequence
+    sq, sk = np.diff(q_off)[seq_q][:, None], np.diff(k_off)[seq_k][None, :]
+    same = seq_q[:, None] == seq_k[None, :]
+    return same & _band(i, j, np.where(same, sk - sq, 0), window)
+
+
+def lengths_mask(k_lengths, batch_shape, seqlen_q, seqlen_k, window=(-1, -1)):
+    """The (batch..., Sq, Sk) bool mask that says the same as ``k_lengths``: entry b sees its
+    first ``k_lengths[b]`` keys, inside the band aligned to that length."""
+    lengths = np.broadcast_to(np.asarray(_host(k_lengths)), batch_shape)[..., None, None]
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return (j < lengths) & _band(i, j, lengths - seqlen_q, window)
 
 
 def _scores(call: AttentionCall, q, k, bias, rows: slice, cols: slice):

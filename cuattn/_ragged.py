@@ -1,0 +1,115 @@
+"""Packed sequences and key lengths with host metadata, as dense calls.
+
+A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
+keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output. A call with
+``k_lengths`` is one dense call per distinct entry of the lengths array: the batch entries
+that share it, against their first ``k_lengths[b]`` keys. Each dense call aligns causal and
+window masking to its own bottom-right corner, which is the per-sequence (per-length)
+alignment of the contract, and validates and dispatches like any other call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import AttentionCall, Ragged, lse_dtype
+
+__all__ = ["forward", "backward"]
+
+
+def _dense_kwargs(call: AttentionCall) -> dict:
+    side = [None if w < 0 else w for w in (call.window_left, call.window_right)]
+    return {"scale": call.scale, "softcap": call.softcap or None, "precision": call.precision,
+            "window": None if side == [None, None] else tuple(side)}
+
+
+def _sequences(ragged: Ragged):
+    """(query rows, key rows) of each packed sequence with at least one query row."""
+    q_off, k_off = ragged.q_offsets.tolist(), ragged.k_offsets.tolist()
+    for a, b, c, d in zip(q_off[:-1], q_off[1:], k_off[:-1], k_off[1:]):
+        if b > a:
+            yield slice(a, b), slice(c, d)
+
+
+def _groups(call: AttentionCall, ragged: Ragged):
+    """(batch selection, key count) per distinct entry of the key lengths: the selection
+    takes ``i:i+1`` on the batch axes along which the lengths vary, whole axes elsewhere."""
+    lengths = ragged.k_lengths
+    vary = [a for a, (n, st) in enumerate(zip(lengths.shape, lengths.strides))
+            if n > 1 and st != 0]
+    for idx in np.ndindex(*(lengths.shape[a] for a in vary)):
+        sel = [slice(None)] * len(call.batch_shape)
+        at = [0] * len(call.batch_shape)
+        for a, i in zip(vary, idx):
+            sel[a], at[a] = slice(i, i + 1), i
+        yield tuple(sel), int(lengths[tuple(at)])
+
+
+def _select(x, sel: tuple):
+    """The batch entries ``sel`` (over the whole batch rank) of an input whose leading dims
+    are right-aligned to the batch axes and may be fewer or broadcast (size 1)."""
+    if x is None:
+        return None
+    lead = x.ndim - 2
+    skip = len(sel) - lead
+    index = tuple(s if x.shape[a - skip] != 1 else slice(None)
+                  for a, s in enumerate(sel) if a >= skip)
+    return x[index]
+
+
+def _keys(x, n: int, axis: int):
+    """The first ``n`` keys of an input whose key axis is ``axis``: -2 for k and v (and
+    their gradients), -1 for a mask or bias, which stays whole where it broadcasts (size 1)
+    along the keys."""
+    if x is None or axis == -1 and x.shape[-1] == 1:
+        return x
+    return x[..., :n] if axis == -1 else x[..., :n, :]
+
+
+def forward(call: AttentionCall, ragged: Ragged):
+    """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
+    from .attention import attention
+    xp, kw = call.xp, _dense_kwargs(call)
+    out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
+    lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
+    q, k, v = call.q, call.k, call.v
+    if ragged.k_lengths is None:
+        for rows, keys in _sequences(ragged):
+            _, lse[..., rows] = attention(q[..., rows, :], k[..., keys, :], v[..., keys, :],
+                                          return_lse=True, out=out[..., rows, :], **kw)
+        return out, lse
+    for sel, n in _groups(call, ragged):
+        _, lse[sel] = attention(_select(q, sel), _keys(_select(k, sel), n, -2),
+                                _keys(_select(v, sel), n, -2), mask=_keys(
+                                    _select(call.mask, sel), n, -1),
+                                bias=_keys(_select(call.bias, sel), n, -1), return_lse=True,
+                                out=out[sel], **kw)
+    return out, lse
+
+
+def backward(call: AttentionCall, ragged: Ragged, dout, out, lse):
+    """``(dq, dk, dv)`` of a validated call with host ``ragged`` metadata: each dense part's
+    gradients added into float32 (float64 for float64) arrays of the inputs' shapes, rounded
+    once."""
+    from .attention import attention_backward
+    xp, kw = call.xp, _dense_kwargs(call)
+    acc = lse_dtype(call.dtype)
+    q, k, v = call.q, call.k, call.v
+    grads = [xp.zeros(x.shape, acc) for x in (q, k, v)]
+    dq, dk, dv = grads
+    if ragged.k_lengths is None:
+        for rows, keys in _sequences(ragged):
+            parts = attention_backward(dout[..., rows, :], q[..., rows, :], k[..., keys, :],
+                                       v[..., keys, :], out[..., rows, :], lse[..., rows], **kw)
+            dq[..., rows, :] += parts[0]
+            dk[..., keys, :] += parts[1]
+            dv[..., keys, :] += parts[2]
+        return tuple(g.astype(call.dtype) for g in grads)
+    for sel, n in _groups(call, ragged):
+        parts = attention_backward(dout[sel], _select(q, sel), _keys(_select(k, sel), n, -2),
+                                   _keys(_select(v, sel), n, -2), out[sel], lse[sel],
+                                   mask=_keys(_select(call.mask, sel), n, -1),
+                                   bias=_keys(_select(call.bias, sel), n, -1), **kw)
+        _select(dq, sel)[...] += parts[0]
+        _keys(_select(dk, sel), n, -2)[...] += parts[1]
+        _keys(_select(dv, sel), n, -2)[...] += parts[2]
+    return tuple(g.astype(call.dtype) for g in grads)

@@ -1,0 +1,198 @@
+"""Packed sequences (q_offsets, k_offsets) and key lengths (k_lengths) against the float64
+reference with the equivalent mask (cuattn.reference.packed_mask / lengths_mask)."""
+import ml_dtypes
+import numpy as np
+import pytest
+from _accuracy import assert_accurate, to_host
+
+import cuattn
+from cuattn.reference import (
+    attention_backward_reference,
+    attention_reference,
+    lengths_mask,
+    naive_attention,
+    packed_mask,
+)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+WINDOWS = {"full": (-1, -1), "causal": (-1, 0), "window": (3, 1), "left": (2, -1)}
+
+
+def _window_kw(window):
+    if window == (-1, 0):
+        return {"causal": True}
+    if window == (-1, -1):
+        return {}
+    return {"window": tuple(None if w < 0 else w for w in window)}
+
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _packed(rng, dtype, lens_q, lens_k, heads=3, kv_heads=1, d=16, dv=12):
+    qo, ko = _offsets(lens_q), _offsets(lens_k)
+    q = rng.standard_normal((2, heads, qo[-1], d)).astype(dtype)
+    k = rng.standard_normal((2, kv_heads, ko[-1], d)).astype(dtype)  # GQA: broadcast heads
+    v = rng.standard_normal((2, kv_heads, ko[-1], dv)).astype(dtype)
+    return q, k, v, qo, ko
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_packed_forward_and_backward(dtype, window):
+    rng = np.random.default_rng(0)
+    # empty sequences on either side, a sequence with no keys, one longer than the others
+    q, k, v, qo, ko = _packed(rng, dtype, [3, 0, 17, 1, 40, 5], [4, 2, 0, 9, 33, 0])
+    band = WINDOWS[window]
+    kw = dict(_window_kw(band), softcap=6.0, scale=0.3)
+    out, lse = cuattn.attention(q, k, v, q_offsets=qo, k_offsets=ko, return_lse=True, **kw)
+    mask = packed_mask(qo, ko, band)
+    ref, ref_lse = attention_reference(q, k, v, mask=mask, softcap=6.0, scale=0.3)
+    naive = naive_attention(q, k, v, mask=mask, softcap=6.0, scale=0.3)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_accurate(out, ref, naive)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert not np.any(out[..., 3:20, :])  # the 17 rows of the sequence with no keys: 0
+
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cuattn.attention_backward(dout, q, k, v, out, lse, q_offsets=qo, k_offsets=ko,
+                                      **kw)
+    refs = attention_backward_reference(dout, q, k, v, mask=mask, softcap=6.0, scale=0.3)
+    for g, r, x in zip(grads, refs, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == dtype
+        tol = {2: 3e-2, 4: 1e-4, 8: 1e-11}[dtype.itemsize] * max(1.0, np.max(np.abs(r)))
+        assert np.max(np.abs(g.astype(np.float64) - r)) <= tol
+
+
+def test_packed_vjp_out_and_one_sequence():
+    rng = np.random.default_rng(1)
+    q, k, v, qo, ko = _packed(rng, np.float64, [7], [9])
+    dense = cuattn.attention(q, k, v, causal=True)
+    buf = np.full(dense.shape, np.nan)
+    got = cuattn.attention(q, k, v, causal=True, q_offsets=qo, k_offsets=ko, out=buf)
+    assert got is buf
+    np.testing.assert_array_equal(buf, dense)  # one sequence is the dense call
+    out, vjp = cuattn.attention_vjp(q, k, v, causal=True, q_offsets=qo, k_offsets=ko)
+    for g, w in zip(vjp(np.ones_like(out)),
+                    cuattn.attention_vjp(q, k, v, causal=True)[1](np.ones_like(out))):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_ten_thousand_sequences_and_a_long_one():
+    rng = np.random.default_rng(2)
+    lens = rng.integers(0, 4, 10_000)
+    q, k, v, qo, ko = _packed(rng, np.float32, lens, lens[::-1], heads=1, d=4, dv=4)
+    out = cuattn.attention(q, k, v, q_offsets=qo, k_offsets=ko, causal=True)
+    sel = slice(0, int(qo[300]))  # the first 300 sequences against the reference
+    sel_k = slice(0, int(ko[300]))
+    ref, _ = attention_reference(q[:, :, sel], k[:, :, sel_k], v[:, :, sel_k],
+                                 mask=packed_mask(qo[:301], ko[:301], (-1, 0)))
+    np.testing.assert_allclose(out[:, :, sel], ref, rtol=2e-5, atol=2e-5)
+    # lengths up to 8k: one sequence of 8192 keys beside short ones
+    q, k, v, qo, ko = _packed(rng, np.float32, [5, 64, 1], [3, 8192, 1], heads=1, d=8, dv=8)
+    out = cuattn.attention(q, k, v, q_offsets=qo, k_offsets=ko, causal=True)
+    ref, _ = attention_reference(q, k, v, mask=packed_mask(qo, ko, (-1, 0)))
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_key_lengths(dtype, window):
+    rng = np.random.default_rng(3)
+    lengths = np.array([[9], [0], [4]])  # per batch entry, broadcast over 2 heads
+    q = rng.standard_normal((3, 2, 5, 16)).astype(dtype)
+    k = rng.standard_normal((3, 1, 12, 16)).astype(dtype)
+    v = rng.standard_normal((3, 2, 12, 8)).astype(dtype)
+    mask = rng.random((1, 12)) > 0.2
+    band = WINDOWS[window]
+    kw = _window_kw(band)
+    out, lse = cuattn.attention(q, k, v, mask=mask, k_lengths=lengths, return_lse=True, **kw)
+    full = lengths_mask(lengths, (3, 2), 5, 12, band) & mask
+    ref, ref_lse = attention_reference(q, k, v, mask=full)
+    assert_accurate(out, ref, naive_attention(q, k, v, mask=full))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    assert not np.any(out[1]) and np.all(lse[1] == -np.inf)  # length 0: rows of 0, -inf
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cuattn.attention_backward(dout, q, k, v, out, lse, mask=mask, k_lengths=lengths,
+                                      **kw)
+    refs = attention_backward_reference(dout, q, k, v, mask=full)
+    for g, r, x in zip(grads, refs, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == dtype
+        tol = {2: 3e-2, 4: 1e-4, 8: 1e-11}[dtype.itemsize] * max(1.0, np.max(np.abs(r)))
+        assert np.max(np.abs(g.astype(np.float64) - r)) <= tol
+    assert not np.any(grads[1][:, :, 9:])  # keys past every length get no gradient
+
+
+def test_key_lengths_equal_to_a_shorter_dense_call():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (4, 10, 10))
+    got = cuattn.attention(q, k, v, k_lengths=np.array(7), causal=True)
+    np.testing.assert_array_equal(got, cuattn.attention(q, k[..., :7, :], v[..., :7, :],
+                                                        causal=True))
+
+
+@pytest.mark.parametrize("kw, exc, text", [
+    ({"q_offsets": [0, 2, 5]}, ValueError, "given together"),
+    ({"q_offsets": [0, 2, 5], "k_offsets": [0, 3, 6, 6]}, ValueError, "one length"),
+    ({"q_offsets": [0, 2, 4], "k_offsets": [0, 3, 6]}, ValueError, "end at Tq=5"),
+    ({"q_offsets": [1, 2, 5], "k_offsets": [0, 3, 6]}, ValueError, "start at 0"),
+    ({"q_offsets": [0, 4, 2, 5], "k_offsets": [0, 3, 3, 6]}, ValueError, "non-decreasing"),
+    ({"q_offsets": [0.0, 5.0], "k_offsets": [0, 6]}, TypeError, "integer array"),
+    ({"q_offsets": [[0, 5]], "k_offsets": [[0, 6]]}, ValueError, "1-D array"),
+    ({"q_offsets": [0, 5], "k_offsets": [0, 6], "max_q_len": 3}, ValueError, "longest"),
+    ({"q_offsets": [0, 5], "k_offsets": [0, 6], "max_k_len": 7}, ValueError, "between 0"),
+    ({"q_offsets": [0, 5], "k_offsets": [0, 6], "max_k_len": 6.0}, TypeError, "an int"),
+    ({"max_q_len": 5}, ValueError, "go with q_offsets"),
+    ({"q_offsets": [0, 5], "k_offsets": [0, 6], "k_lengths": [3]}, ValueError, "combined"),
+    ({"q_offsets": [0, 5], "k_offsets": [0, 6], "mask": np.ones((5, 6), bool)},
+     NotImplementedError, "mask and bias"),
+    ({"k_lengths": [7]}, ValueError, "between 0 and Sk=6"),
+    ({"k_lengths": [-1]}, ValueError, "between 0 and Sk=6"),
+    ({"k_lengths": np.ones((4,), int)}, ValueError, "does not broadcast"),
+    ({"k_lengths": [2.5]}, TypeError, "integer array"),
+])
+def test_errors(kw, exc, text):
+    q = np.ones((2, 5, 4), np.float32)
+    k = v = np.ones((2, 6, 4), np.float32)
+    kw = {n: (np.asarray(x) if isinstance(x, list) else x) for n, x in kw.items()}
+    with pytest.raises(exc, match=text):
+        cuattn.attention(q, k, v, **kw)
+
+
+def test_dask_arrays_with_offsets_are_refused():
+    da = pytest.importorskip("dask.array")
+    q = da.ones((5, 4), dtype=np.float32)
+    with pytest.raises(NotImplementedError, match="Dask"):
+        cuattn.attention(q, q, q, k_lengths=np.array(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_packed_and_key_lengths(dtype):
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    q, k, v, qo, ko = _packed(rng, dtype, [3, 0, 130, 1, 70], [4, 2, 0, 200, 65], d=64, dv=64)
+    dq, dk, dv = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuattn.attention(dq, dk, dv, q_offsets=qo, k_offsets=ko, causal=True,
+                                return_lse=True)
+    mask = packed_mask(qo, ko, (-1, 0))
+    ref, _ = attention_reference(q, k, v, mask=mask)
+    assert isinstance(out, cp.ndarray)
+    assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=mask))
+    grads = cuattn.attention_backward(cp.asarray(np.ones(out.shape, dtype)), dq, dk, dv, out,
+                                      lse, q_offsets=qo, k_offsets=ko, causal=True)
+    refs = attention_backward_reference(np.ones(out.shape, dtype), q, k, v, mask=mask)
+    for g, r in zip(grads, refs):
+        tol = {2: 3e-2, 4: 1e-4, 8: 1e-11}[dtype.itemsize] * max(1.0, np.max(np.abs(r)))
+        assert np.max(np.abs(to_host(g).astype(np.float64) - r)) <= tol
+    lengths = np.array([150, 0])[:, None]
+    out = cuattn.attention(dq, dk, dv, k_lengths=lengths, causal=True)
+    full = lengths_mask(lengths, (2, 3), q.shape[-2], k.shape[-2], (-1, 0))
+    ref, _ = attention_reference(q, k, v, mask=full)
+    assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))
+    with pytest.raises(NotImplementedError, match="device memory"):
+        cuattn.attention(dq, dk, dv, k_lengths=cp.asarray(lengths))
