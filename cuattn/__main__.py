@@ -177,6 +177,13 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     from cuattn import bench
+    if args.accuracy:
+        from cuattn import accuracy
+        json_path = args.json or "cuattn-accuracy.json"
+        result = accuracy.run(quick=args.quick, json_path=json_path)
+        print(accuracy.format_report(result))
+        print(f"results: {json_path}")
+        return 0
     suites = args.suite or ["vector_add", "vit", "fp32", "fp64"]
     unknown = [s for s in suites if s not in bench.SUITES]
     if unknown:
@@ -185,7 +192,7 @@ def cmd_bench(args) -> int:
     if _gpu() is None:
         print("bench needs a GPU", file=sys.stderr)
         return 2
-    results = bench.run(suites, json_path=args.json, plot_path=args.plot,
+    results = bench.run(suites, json_path=args.json or "cuattn-bench.json", plot_path=args.plot,
                         direction=args.direction, max_seqlen=args.max_seqlen,
                         match=args.match or (), backward_kernel=args.backward_kernel)
     print(bench._format(results))
@@ -221,11 +228,17 @@ def main(argv=None) -> int:
     b.add_argument("--backward-kernel", metavar="FAMILY",
                    help="force cuattn's backward rows to this backward family (e.g. "
                         "sm90_3xf16); the forward is dispatched as usual")
-    b.add_argument("--json", default="cuattn-bench.json", help="write results here")
+    b.add_argument("--json", help="write results here (default cuattn-bench.json, or "
+                                  "cuattn-accuracy.json with --accuracy)")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")
     b.add_argument("--report", metavar="DIR",
                    help="write the performance page (performance.rst and its plots) into DIR, "
                         "e.g. docs")
+    b.add_argument("--accuracy", action="store_true",
+                   help="instead of times: cuattn's errors against float64 next to the peers' "
+                        "on the same inputs (a FlashAttention-style grid), and their ratios; "
+                        "on the NumPy backend without a GPU")
+    b.add_argument("--quick", action="store_true", help="with --accuracy: a few small cases")
     b.set_defaults(fn=cmd_bench)
     c = sub.add_parser("check", help="correctness matrix of the GPU kernels "
                                      "(honours CUATTN_KERNEL_DIR)")
