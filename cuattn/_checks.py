@@ -18,7 +18,8 @@ import numpy as np
 
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
-           "sum_to_shape", "check_merge", "mixed_kinds", "Ragged", "check_ragged"]
+           "sum_to_shape", "check_merge", "mixed_kinds", "Ragged", "check_ragged",
+           "CacheAppend", "check_cache_append"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -414,18 +415,19 @@ class Ragged:
         return all(x is None or isinstance(x, np.ndarray) for x in arrays)
 
 
-def _index_array(x, name: str, call: AttentionCall):
-    """An integer array argument, host memory or (for a CuPy call) device memory."""
+def _index_array(x, name: str, xp, ref, ref_name: str):
+    """An integer array argument in host memory, or (for a CuPy call, ``xp`` cupy) in the
+    device memory of ``ref``."""
     x, xm = as_array(x, name)
-    if xm is not np and xm is not call.xp:
-        raise mixed_kinds(name, xm, "q", call.xp)
+    if xm is not np and xm is not xp:
+        raise mixed_kinds(name, xm, ref_name, xp)
     if x.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
     if xm is np:
         return x.astype(np.int64, copy=False)
-    if x.data.device_id != call.q.data.device_id:
-        raise ValueError(f"{name} is on device {x.data.device_id} but q is on device "
-                         f"{call.q.data.device_id}")
+    if x.data.device_id != ref.data.device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id} but {ref_name} is on device "
+                         f"{ref.data.device_id}")
     return x
 
 
@@ -454,7 +456,7 @@ def check_ragged(call: AttentionCall, q_offsets=None, k_offsets=None, max_q_len=
                              "(the offsets give every sequence its keys)")
         if max_q_len is not None or max_k_len is not None:
             raise ValueError("max_q_len and max_k_len go with q_offsets and k_offsets")
-        lengths = _index_array(k_lengths, "k_lengths", call)
+        lengths = _index_array(k_lengths, "k_lengths", call.xp, call.q, "q")
         try:
             fits = np.broadcast_shapes(lengths.shape, call.batch_shape) == call.batch_shape
         except ValueError:
@@ -477,7 +479,7 @@ def check_ragged(call: AttentionCall, q_offsets=None, k_offsets=None, max_q_len=
     offsets = []
     for name, x, total in (("q_offsets", q_offsets, call.seqlen_q),
                            ("k_offsets", k_offsets, call.seqlen_k)):
-        x = _index_array(x, name, call)
+        x = _index_array(x, name, call.xp, call.q, "q")
         if x.ndim != 1 or x.shape[0] < 1:
             raise ValueError(f"{name} must be a 1-D array of n + 1 offsets (n sequences), "
                              f"got shape {x.shape}")
@@ -506,3 +508,90 @@ def check_ragged(call: AttentionCall, q_offsets=None, k_offsets=None, max_q_len=
             lengths.append(_length(given, name, total, None))
     return Ragged(q_offsets=q_off, k_offsets=k_off, max_q_len=lengths[0],
                   max_k_len=lengths[1])
+
+
+@dataclass(slots=True)
+class CacheAppend:
+    """A validated :func:`cuattn.kv_cache_append`: the caches, the new rows, the lengths
+    (int64 NumPy, or a CuPy integer array) and the batch shape of the caches."""
+    xp: Any
+    k_cache: Any
+    v_cache: Any
+    k_new: Any
+    v_new: Any
+    lengths: Any
+    batch_shape: tuple
+
+
+def check_cache_append(k_cache, v_cache, k_new, v_new, lengths) -> CacheAppend:
+    """Validate a cache append (docs/semantics.rst, "Key/value caches")."""
+    named = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
+    arrays = {name: as_array(x, name) for name, x in named.items()}
+    xp = arrays["k_cache"][1]
+    for name, (_, xm) in arrays.items():
+        if xm is not xp:
+            raise mixed_kinds(name, xm, "k_cache", xp)
+    k_cache, v_cache, k_new, v_new = (x for x, _ in arrays.values())
+    for name, x in zip(named, (k_cache, v_cache, k_new, v_new)):
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, "
+                            f"bfloat16, float32 and float64")
+        if x.dtype != k_cache.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but k_cache has {k_cache.dtype} "
+                            f"(they must match)")
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., S, D), got shape "
+                             f"{x.shape}")
+    batch = k_cache.shape[:-2]
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise ValueError(f"v_cache of shape {v_cache.shape} does not match k_cache of shape "
+                         f"{k_cache.shape} (batch dims and cache rows must match)")
+    if k_new.shape[-1] != k_cache.shape[-1] or v_new.shape[-1] != v_cache.shape[-1]:
+        raise ValueError(f"head dims differ: k_new {k_new.shape[-1]} vs k_cache "
+                         f"{k_cache.shape[-1]}, v_new {v_new.shape[-1]} vs v_cache "
+                         f"{v_cache.shape[-1]}")
+    if k_new.shape[-2] != v_new.shape[-2]:
+        raise ValueError(f"k_new has {k_new.shape[-2]} new rows but v_new has "
+                         f"{v_new.shape[-2]} (they must match)")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        try:
+            fits = np.broadcast_shapes(x.shape[:-2], batch) == batch
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{name} of shape {x.shape} does not broadcast to the caches' "
+                             f"batch shape {batch}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _writeable(x):
+            raise ValueError(f"{name} is read-only; it must be a writeable array")
+        if any(n > 1 and st == 0 for n, st in zip(x.shape, x.strides)):
+            raise ValueError(f"{name} is a broadcast view (a zero stride); a cache must own "
+                             f"its rows")
+    pairs = [("k_cache", k_cache, "v_cache", v_cache)] + [
+        (a, x, b, y) for a, x in (("k_new", k_new), ("v_new", v_new))
+        for b, y in (("k_cache", k_cache), ("v_cache", v_cache))]
+    for a, x, b, y in pairs:
+        if may_overlap(x, y):
+            raise ValueError(f"{a} overlaps {b}; they must be separate arrays")
+    if xp is not np:
+        device = k_cache.data.device_id
+        for name, x in zip(named, (k_cache, v_cache, k_new, v_new)):
+            if x.data.device_id != device:
+                raise ValueError(f"{name} is on device {x.data.device_id} but k_cache is on "
+                                 f"device {device}")
+    lengths = _index_array(lengths, "lengths", xp, k_cache, "k_cache")
+    try:
+        fits = np.broadcast_shapes(lengths.shape, batch) == batch
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"lengths of shape {lengths.shape} does not broadcast to the caches' "
+                         f"batch shape {batch}")
+    rows, new = k_cache.shape[-2], k_new.shape[-2]
+    if isinstance(lengths, np.ndarray) and lengths.size:
+        if lengths.min() < 0:
+            raise ValueError(f"lengths must be >= 0, got {lengths.min()}")
+        if lengths.max() + new > rows:
+            raise ValueError(f"the cache has {rows} rows: appending {new} after a length of "
+                             f"{lengths.max()} overflows it")
+    return CacheAppend(xp, k_cache, v_cache, k_new, v_new, lengths, batch)

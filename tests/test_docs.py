@@ -4,7 +4,8 @@ import importlib
 
 import pytest
 
-MODULES = ["cuattn.attention", "cuattn.elementwise", "cuattn.merge", "cuattn.reference"]
+MODULES = ["cuattn.attention", "cuattn.elementwise", "cuattn.merge", "cuattn.reference",
+           "cuattn.layers", "cuattn.cache"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -124,11 +124,6 @@ def test_numpy_layer_shapes_precision_and_empty():
         assert cuattn.multi_head_attention(empty, *ws, num_heads=4).shape == shape
 
 
-def test_layer_docstring_examples_run():
-    result = doctest.testmod(layers, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # ---- the cuBLAS path on host memory ---------------------------------------------------
 
 _CUDA_TYPES = {2: np.float16, 14: ml_dtypes.bfloat16, 0: np.float32, 1: np.float64}

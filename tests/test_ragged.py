@@ -196,3 +196,12 @@ def test_gpu_packed_and_key_lengths(dtype):
     assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))
     with pytest.raises(NotImplementedError, match="device memory"):
         cuattn.attention(dq, dk, dv, k_lengths=cp.asarray(lengths))
+
+
+def test_docs_page_examples():
+    import doctest
+    import pathlib
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "ragged.rst"
+    result = doctest.testfile(str(page), module_relative=False,
+                              optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 8 and result.failed == 0
