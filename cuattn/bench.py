@@ -201,13 +201,19 @@ def _attention_rows(case: Case, cupy, torch, backward_kernel=None):
         impls = _backward_impls(case, cupy, torch, q, k, v, scale, side, backward_kernel)
     else:
         impls = _forward_impls(case, cupy, torch, q, k, v, scale, side)
+    return _timed_rows(impls, case, cupy, torch, tf32=case.precision == "tf32")
+
+
+def _timed_rows(impls: dict, case: Case, cupy, torch, tf32: bool = False) -> list[Row]:
+    """A row per implementation: time, rate and peak extra memory, or the error it raised.
+    PyTorch's float32 products use TF32 only when ``tf32`` (cuattn's precision)."""
     rows = []
     for name, fn in impls.items():
         allow_tf32 = None
         try:
-            if torch is not None and dtype == np.float32:
+            if torch is not None and case.dtype == "float32":
                 allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = case.precision == "tf32"
+                torch.backends.cuda.matmul.allow_tf32 = tf32
             ms = _time(fn, cupy)
             mb = _peak_extra_mb(fn, cupy, torch if name.startswith("torch") else None)
             rows.append(Row(name, ms, case.flops / ms / 1e9, mb))
@@ -243,15 +249,7 @@ def _dask_rows(case: Case, cupy):
             dq, dk, dv = chunked(q, q_parts), chunked(k, k_parts), chunked(v, k_parts)
             impls[label] = (lambda dq=dq, dk=dk, dv=dv: cuattn.attention(
                 dq, dk, dv, causal=case.causal).compute(scheduler="threads"))
-    rows = []
-    for name, fn in impls.items():
-        try:
-            ms = _time(fn, cupy)
-            rows.append(Row(name, ms, case.flops / ms / 1e9, _peak_extra_mb(fn, cupy, None)))
-        except Exception as exc:  # noqa: BLE001 - report and go on
-            rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
-        finally:
-            cupy.get_default_memory_pool().free_all_blocks()
+    rows = _timed_rows(impls, case, cupy, None)
     if da is None:
         rows.append(Row("dask", note="Dask is not installed (pip install \"cuattn[dask]\")"))
     return rows
@@ -365,25 +363,7 @@ def _layer_rows(case: Case, cupy, torch):
     e = case.heads * case.head_dim
     x = cupy.asarray(rng.standard_normal((case.batch, case.seqlen, e)).astype(dtype))
     impls = (_layer_impls if case.kind == "layer" else _block_impls)(case, cupy, torch, x, rng)
-    rows = []
-    for name, fn in impls.items():
-        allow_tf32 = None
-        try:
-            if torch is not None and dtype == np.float32:
-                allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = False
-            ms = _time(fn, cupy)
-            mb = _peak_extra_mb(fn, cupy, torch if name.startswith("torch") else None)
-            rows.append(Row(name, ms, case.flops / ms / 1e9, mb))
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case
-            rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
-        finally:
-            if allow_tf32 is not None:
-                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-            cupy.get_default_memory_pool().free_all_blocks()
-            if torch is not None:
-                torch.cuda.empty_cache()
-    return rows
+    return _timed_rows(impls, case, cupy, torch)
 
 
 def _normal(xp, rng, shape, scale, dtype, mean=0.0):

@@ -26,3 +26,33 @@ def test_flops_count_the_causal_half_and_the_backward_factor():
     assert Case("x", "attention", "bfloat16", 2, 3, 128, 64, causal=True).flops == fwd.flops / 2
     assert Case("x", "attention", "bfloat16", 2, 3, 128, 64, direction="bwd",
                 side="mask").flops == 2.5 * fwd.flops
+
+
+def test_timed_rows_time_each_implementation_and_keep_going(monkeypatch):
+    """A row per implementation with its rate; one that raises becomes a note; PyTorch's
+    TF32 switch is set for the float32 rows and restored."""
+    import types
+
+    from cuattn import bench
+    monkeypatch.setattr(bench, "_time", lambda fn, cupy: fn())
+    monkeypatch.setattr(bench, "_peak_extra_mb", lambda fn, cupy, torch: 1.5)
+    freed = []
+    cupy = types.SimpleNamespace(get_default_memory_pool=lambda: types.SimpleNamespace(
+        free_all_blocks=lambda: freed.append(1)))
+    matmul = types.SimpleNamespace(allow_tf32=True)
+    seen = []
+    torch = types.SimpleNamespace(backends=types.SimpleNamespace(
+        cuda=types.SimpleNamespace(matmul=matmul)), cuda=types.SimpleNamespace(
+        empty_cache=lambda: None))
+
+    def fails():
+        raise RuntimeError("no kernel\nfor this")
+
+    case = bench.Case("fp32", "attention", "float32", 1, 1, 1000, 100)
+    rows = bench._timed_rows({"cuattn": lambda: seen.append(matmul.allow_tf32) or 2.0,
+                              "torch math": fails}, case, cupy, torch, tf32=False)
+    assert [r.impl for r in rows] == ["cuattn", "torch math"]
+    assert rows[0].ms == 2.0 and rows[0].rate == case.flops / 2.0 / 1e9
+    assert rows[0].extra_mb == 1.5 and seen == [False]
+    assert rows[1].ms is None and rows[1].note == "RuntimeError: no kernel"
+    assert matmul.allow_tf32 is True and len(freed) == 2
