@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(DELTA_THREADS) attention_bwd_delta(const cuatt
     for (long long c = lane; c < p.head_dim_v; c += 32)
         sum = fma(cuattn::to_acc(dout[c * bp.dout_s.col]), cuattn::to_acc(out[c * p.out_s.col]), sum);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int offset = 16; offset > 0; offset >>= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) reinterpret_cast<A*>(bp.delta)[offset(bp.delta_s)] = sum;
 }
 

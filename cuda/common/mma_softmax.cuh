@@ -200,34 +200,34 @@ __device__ __forceinline__ bool update_row_stats(A (&s)[BLOCK_N / 8][4], A (&m)[
 
 // acc row h *= alpha[h] (the rescale update_row_stats asks for)
 template <int DV_TILES, typename A>
-__device__ __forceinline__ void rescale_rows(A (&o)[DV_TILES][4], const A (&alpha)[2]) {
+__device__ __forceinline__ void rescale_rows(A (&acc)[DV_TILES][4], const A (&alpha)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d) {
-            o[d][2 * h] *= alpha[h];
-            o[d][2 * h + 1] *= alpha[h];
+            acc[d][2 * h] *= alpha[h];
+            acc[d][2 * h + 1] *= alpha[h];
         }
 }
 
 // The row state before the first tile: O zero, the running max -inf, the running sum 0.
 template <int DV_TILES, typename A>
-__device__ __forceinline__ void clear_row_state(A (&o)[DV_TILES][4], A (&m)[2], A (&l)[2]) {
+__device__ __forceinline__ void clear_row_state(A (&acc)[DV_TILES][4], A (&m)[2], A (&l)[2]) {
     m[0] = m[1] = neg_inf<A>();
     l[0] = l[1] = A(0);
 #pragma unroll
     for (int d = 0; d < DV_TILES; ++d)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[d][e] = A(0);
+        for (int e = 0; e < 4; ++e) acc[d][e] = A(0);
 }
 
 // The whole online-softmax step of one tile: update_row_stats, then the rescale of acc.
 template <int BLOCK_N, int DV_TILES, typename A, typename Exp2>
 __device__ __forceinline__ void update_row_state(A (&s)[BLOCK_N / 8][4], A (&m)[2], A (&l)[2],
-                                                 A (&o)[DV_TILES][4], A scale,
+                                                 A (&acc)[DV_TILES][4], A scale,
                                                  const Exp2& exp2_fn) {
     A alpha[2];
-    if (update_row_stats<BLOCK_N>(s, m, l, alpha, scale, exp2_fn)) rescale_rows(o, alpha);
+    if (update_row_stats<BLOCK_N>(s, m, l, alpha, scale, exp2_fn)) rescale_rows(acc, alpha);
 }
 
 // Two adjacent output elements, 2 * sizeof(T)-byte aligned: one store.
@@ -244,7 +244,7 @@ __device__ __forceinline__ void store_pair(T* dst, float x0, float x1) {
 // partial row sums are combined; a row with no allowed key gives out 0 and lse -inf.
 // Rows past seqlen_q and the columns of the zero pad are not written.
 template <typename T, int DV_TILES>
-__device__ __forceinline__ void store_rows(const float (&o)[DV_TILES][4], const float (&l)[2],
+__device__ __forceinline__ void store_rows(const float (&acc)[DV_TILES][4], const float (&l)[2],
                                            const float (&m)[2], const AttnParams& p,
                                            long long b, long long row0, int lane) {
     T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
@@ -265,7 +265,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[DV_TILES][4], const 
         for (int d = 0; d < DV_TILES; ++d) {
             const int c = 8 * d + 2 * (lane % 4);
             if (c >= p.head_dim_v) continue;  // columns of the zero pad
-            const float x0 = o[d][2 * h] * inv_l, x1 = o[d][2 * h + 1] * inv_l;
+            const float x0 = acc[d][2 * h] * inv_l, x1 = acc[d][2 * h + 1] * inv_l;
             if (pairs) {
                 store_pair(out_row + c, x0, x1);
             } else {

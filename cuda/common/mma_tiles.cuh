@@ -417,7 +417,7 @@ __device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], unsi
 // at a column that is a multiple of 64 (the swizzle keeps 64-column groups in place); each Z
 // fragment serves the warp's M_TILES row tiles
 template <int BLOCK_N, int PITCH, int COLS, int M_TILES, typename T>
-__device__ __forceinline__ void accumulate_cols(float (&o)[M_TILES][COLS / 8][4],
+__device__ __forceinline__ void accumulate_cols(float (&acc)[M_TILES][COLS / 8][4],
                                                 const float (&s)[M_TILES][BLOCK_N / 8][4],
                                                 unsigned z_base, const LaneOffsets<PITCH>& z_off) {
     static_assert(COLS <= PITCH && COLS % 16 == 0, "COLS columns of a PITCH-wide tile");
@@ -437,8 +437,8 @@ __device__ __forceinline__ void accumulate_cols(float (&o)[M_TILES][COLS / 8][4]
             ldmatrix_x4_trans(b, z_base + z_off(dd) + kk * 16 * PITCH * 2);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
-                mma_16816<T>(o[mt][2 * dd], a[mt], b[0], b[1]);
-                mma_16816<T>(o[mt][2 * dd + 1], a[mt], b[2], b[3]);
+                mma_16816<T>(acc[mt][2 * dd], a[mt], b[0], b[1]);
+                mma_16816<T>(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
             }
         }
     }
@@ -446,11 +446,11 @@ __device__ __forceinline__ void accumulate_cols(float (&o)[M_TILES][COLS / 8][4]
 
 // O += P V over all HEAD_DIM_V columns of V
 template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
-__device__ __forceinline__ void accumulate_pv(float (&o)[M_TILES][HEAD_DIM_V / 8][4],
+__device__ __forceinline__ void accumulate_pv(float (&acc)[M_TILES][HEAD_DIM_V / 8][4],
                                               const float (&s)[M_TILES][BLOCK_N / 8][4],
                                               unsigned v_base,
                                               const LaneOffsets<HEAD_DIM_V>& v_off) {
-    accumulate_cols<BLOCK_N, HEAD_DIM_V, HEAD_DIM_V, M_TILES, T>(o, s, v_base, v_off);
+    accumulate_cols<BLOCK_N, HEAD_DIM_V, HEAD_DIM_V, M_TILES, T>(acc, s, v_base, v_off);
 }
 
 }  // namespace mma

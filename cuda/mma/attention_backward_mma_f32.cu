@@ -123,8 +123,8 @@ __device__ __forceinline__ void scores_f32(float (&s)[N / 8][4], const float4* a
 // the N rows of Z (plain tile, b_lane = tile + 2t*PITCH + g): lane t's slots are P's columns
 // 2t, 2t+1 of each 8-column tile and Z's rows 8j + 2t, 8j + 2t + 1.
 template <int N, int COLS, int PITCH, bool PRE>
-__device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const float (&pm)[N / 8][4],
-                                               const float* b_lane) {
+__device__ __forceinline__ void accumulate_f32(float (&acc)[COLS / 8][4],
+                                               const float (&pm)[N / 8][4], const float* b_lane) {
     Operand<4> a[N / 8];  // register order: rows g, g+8 at column 2t, then 2t + 1
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) {
@@ -140,7 +140,7 @@ __device__ __forceinline__ void accumulate_f32(float (&o)[COLS / 8][4], const fl
             Operand<2> b;
             operand_from<PRE>(b, 0, b_lane + 8 * j * PITCH + 8 * d);
             operand_from<PRE>(b, 1, b_lane + (8 * j + 1) * PITCH + 8 * d);
-            step(o[d], a[j], b);
+            step(acc[d], a[j], b);
         }
     }
 }

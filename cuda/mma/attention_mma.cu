@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
-    float o[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
+    float acc[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
         m[mt][0] = m[mt][1] = neg_inf<float>();
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[mt][d][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc[mt][d][e] = 0.f;
     }
 
     // ldmatrix rows of this lane: Q rows 16w + lane%16 (column half lane/16); K rows
@@ -110,9 +110,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
         for (int mt = 0; mt < M_TILES; ++mt) {
             const float scale = mask_scores<BLOCK_N, HAS_MASK>(s[mt], p, m0 + warp * WARP_M + mt * 16,
                                                                n0, lane, interior, mask, bias);
-            update_row_state<BLOCK_N, DV_TILES>(s[mt], m[mt], l[mt], o[mt], scale, exp2_fn);
+            update_row_state<BLOCK_N, DV_TILES>(s[mt], m[mt], l[mt], acc[mt], scale, exp2_fn);
         }
-        accumulate_pv<BLOCK_N, HEAD_DIM_V, M_TILES, T>(o, s, v_base + stage * V_ELEMS * 2, v_off);
+        accumulate_pv<BLOCK_N, HEAD_DIM_V, M_TILES, T>(acc, s, v_base + stage * V_ELEMS * 2, v_off);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
@@ -120,5 +120,5 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd_mma(
     // Normalise and store (mma_softmax.cuh)
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
-        store_rows<T, DV_TILES>(o[mt], l[mt], m[mt], p, b, m0 + warp * WARP_M + mt * 16, lane);
+        store_rows<T, DV_TILES>(acc[mt], l[mt], m[mt], p, b, m0 + warp * WARP_M + mt * 16, lane);
 }

@@ -157,7 +157,7 @@ __device__ __forceinline__ void scores_wide(T (&s)[M_TILES][BLOCK_N / 8][4], con
 // columns 2t, 2t+1 (A straight from registers), and B takes V rows of the same keys at
 // column 8d + g. Each V fragment feeds M_TILES steps.
 template <int BLOCK_N, int HEAD_DIM_V, int M_TILES, typename T>
-__device__ __forceinline__ void accumulate_pv_wide(T (&o)[M_TILES][HEAD_DIM_V / 8][4],
+__device__ __forceinline__ void accumulate_pv_wide(T (&acc)[M_TILES][HEAD_DIM_V / 8][4],
                                                    const T (&s)[M_TILES][BLOCK_N / 8][4],
                                                    const T* v_s, int lane) {
     constexpr int VP = HEAD_DIM_V + 16 / sizeof(T);
@@ -177,7 +177,7 @@ __device__ __forceinline__ void accumulate_pv_wide(T (&o)[M_TILES][HEAD_DIM_V / 
         for (int d = 0; d < HEAD_DIM_V / 8; ++d) {
             const T b[2] = {v0[8 * d], v0[VP + 8 * d]};
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i) mma_step(o[i][d], a[i], b);
+            for (int i = 0; i < M_TILES; ++i) mma_step(acc[i][d], a[i], b);
         }
     }
 }
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
-    T o[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
+    T acc[M_TILES][DV_TILES][4], m[M_TILES][2], l[M_TILES][2];
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) {
         m[i][0] = m[i][1] = neg_inf<T>();
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[i][d][e] = T(0);
+            for (int e = 0; e < 4; ++e) acc[i][d][e] = T(0);
     }
     const T* q_w = q_s + warp * WARP_ROWS / 2 * QP2;
     const SoftmaxExp2<T> exp2_fn(lane);
@@ -262,9 +262,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         for (int i = 0; i < M_TILES; ++i) {
             const T scale = mask_scores<BLOCK_N, HAS_MASK>(s[i], p, m0 + warp * WARP_ROWS + 16 * i,
                                                            n0, lane, interior, mask, bias);
-            update_row_state<BLOCK_N, DV_TILES>(s[i], m[i], l[i], o[i], scale, exp2_fn);
+            update_row_state<BLOCK_N, DV_TILES>(s[i], m[i], l[i], acc[i], scale, exp2_fn);
         }
-        accumulate_pv_wide<BLOCK_N, HEAD_DIM_V, M_TILES>(o, s, v_s + stage * V_ELEMS, lane);
+        accumulate_pv_wide<BLOCK_N, HEAD_DIM_V, M_TILES>(acc, s, v_s + stage * V_ELEMS, lane);
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
     cp_async_wait<0>();  // no copy may outlive the block
@@ -285,9 +285,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
             for (int d = 0; d < DV_TILES; ++d) {
                 const long long c = 8 * d + 2 * (lane % 4);
-                if (c < p.head_dim_v) out_row[c * p.out_s.col] = o[i][d][2 * h] * inv_l;
+                if (c < p.head_dim_v) out_row[c * p.out_s.col] = acc[i][d][2 * h] * inv_l;
                 if (c + 1 < p.head_dim_v)
-                    out_row[(c + 1) * p.out_s.col] = o[i][d][2 * h + 1] * inv_l;
+                    out_row[(c + 1) * p.out_s.col] = acc[i][d][2 * h + 1] * inv_l;
             }
             if (p.lse && lane % 4 == 0) {
                 T* lse = reinterpret_cast<T*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);

@@ -103,8 +103,8 @@ __device__ __forceinline__ void update_row_state(A (&s)[TM][TN], A (&m)[TM], A (
         for (int j = 0; j < TN; ++j) tile_max = max_acc(tile_max, s[i][j]);
         // the 16 threads that share a row are lanes 0-15 or 16-31 of one warp
 #pragma unroll
-        for (int o = 8; o > 0; o >>= 1)
-            tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        for (int offset = 8; offset > 0; offset >>= 1)
+            tile_max = max_acc(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
         const A m_new = max_acc(m[i], tile_max);
         // a row with nothing allowed so far keeps m = -inf; subtract 0 instead so that
         // exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -117,7 +117,8 @@ __device__ __forceinline__ void update_row_state(A (&s)[TM][TN], A (&m)[TM], A (
             tile_sum += s[i][j];
         }
 #pragma unroll
-        for (int o = 8; o > 0; o >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+        for (int offset = 8; offset > 0; offset >>= 1)
+            tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, offset);
         l[i] = l[i] * alpha[i] + tile_sum;
         m[i] = m_new;
     }
@@ -470,10 +471,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                 }
                 if (!__any_sync(0xffffffffu, over)) {
 #pragma unroll
-                    for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+                    for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
 #pragma unroll
                         for (int i = 0; i < RM; ++i)
-                            part[i] += __shfl_xor_sync(0xffffffffu, part[i], o);
+                            part[i] += __shfl_xor_sync(0xffffffffu, part[i], offset);
 #pragma unroll
                     for (int i = 0; i < RM; ++i) l[i] += part[i];
                     __syncwarp();
@@ -490,10 +491,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
             for (int j = 1; j < TN; ++j) mx[i] = max_acc(mx[i], s[i][j]);
         }
 #pragma unroll
-        for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+        for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
 #pragma unroll
             for (int i = 0; i < RM; ++i)
-                mx[i] = max_acc(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+                mx[i] = max_acc(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
 #pragma unroll
         for (int i = 0; i < RM; ++i) {
             const A m_new = max_acc(m[i], mx[i] * c);
@@ -512,9 +513,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                 p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
             }
 #pragma unroll
-        for (int o = 1; o <= 8; o = o == 1 ? 4 : 2 * o)
+        for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
 #pragma unroll
-            for (int i = 0; i < RM; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], o);
+            for (int i = 0; i < RM; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
         bool moved = false;
 #pragma unroll
         for (int i = 0; i < RM; ++i) {

@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         cp_async_commit();
     }
 
-    float o[DV_TILES][4], m[2], l[2];
-    clear_row_state(o, m, l);
+    float acc[DV_TILES][4], m[2], l[2];
+    clear_row_state(acc, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
 
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
@@ -135,9 +135,9 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
                                                           side.mask_view(stage, m0, n0),
                                                           side.bias_view(stage, m0, n0))
                         : mask_scores<N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
-        update_row_state<N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+        update_row_state<N, DV_TILES>(s, m, l, acc, scale, exp2_fn);
 
-        product_rs<HEAD_DIM_V, N, T, BLOCK_N>(o, s, v_base + stage * V_ELEMS * 2);
+        product_rs<HEAD_DIM_V, N, T, BLOCK_N>(acc, s, v_base + stage * V_ELEMS * 2);
         wgmma_commit();
         wgmma_wait<0>();
         __syncthreads();  // this stage is consumed before the next iteration refills it
@@ -157,5 +157,5 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
         if (short_last) tile(n_last, stage, Keys<TAIL_N>());
     cp_async_wait<0>();  // no copy may outlive the block
 
-    store_rows<T, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store (mma_softmax.cuh)
+    store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store (mma_softmax.cuh)
 }

@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
                                                         p.head_dim, sc.q);
     cp_async_wait<0>();
 
-    float o[DV_TILES][4], m[2], l[2];
-    clear_row_state(o, m, l);
+    float acc[DV_TILES][4], m[2], l[2];
+    clear_row_state(acc, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
     const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS);  // this warpgroup's rows
     const unsigned k_base = smem_addr(k_s), v_base = smem_addr(v_s);
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
-        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, acc, scale, exp2_fn);
 
         // this tile's P V in fresh accumulators by the split, then added to O
         unsigned p_hi[BLOCK_N / 16][4], p_lo[BLOCK_N / 16][4];
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 #pragma unroll
         for (int d = 0; d < DV_TILES; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[d][e] = fmaf(pv[d][e], pv_unscale, o[d][e]);
+            for (int e = 0; e < 4; ++e) acc[d][e] = fmaf(pv[d][e], pv_unscale, acc[d][e]);
         if (t + 1 < tiles) {
             cp_async_wait<0>();  // tile t + 1 (requested by prepare(t)) has landed
             prepare(t + 1);
@@ -149,5 +149,5 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+    store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     for (int w = 0; w < NUM_WG; ++w)
         round_own_tf32<64, HEAD_DIM, THREADS, ALIGNED, false, 0>(q_s + w * Q_ELEMS, Sw128<64, 4>());
 
-    float o[DV_TILES][4], m[2], l[2];
-    clear_row_state(o, m, l);
+    float acc[DV_TILES][4], m[2], l[2];
+    clear_row_state(acc, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
 
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), k_base = smem_addr(k_s),
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(s, p, row0, n0, lane, interior, mask, bias);
-        update_row_state<BLOCK_N, DV_TILES>(s, m, l, o, scale, exp2_fn);
+        update_row_state<BLOCK_N, DV_TILES>(s, m, l, acc, scale, exp2_fn);
 
         fence_proxy_async();  // V^T, written by every thread, visible to the tensor cores
         __syncthreads();      // ... and the staging buffer free for the next V tile
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
         // O += P V: P from registers (keys permuted), V^T K-contiguous in the same order
         unsigned p_frag[BLOCK_N / 8][4];
         tf32_fragments<BLOCK_N>(p_frag, s);
-        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(o, p_frag, vt_base, true);
+        product_rs_tf32<HEAD_DIM_V, BLOCK_N>(acc, p_frag, vt_base, true);
         wgmma_commit();
         if (more) {  // while it runs: round the next K tile (landed: only V is younger)
             cp_async_wait<1>();
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     }
     cp_async_wait<0>();  // no copy may outlive the block
 
-    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+    store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }
 
 // ---------------------------------------------------------------------------------------
@@ -362,8 +362,8 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     bar_sync(NUM_WG + 1, CONSUMERS);  // ... and to every consumer
     setmaxnreg_inc<CONSUMER_REGS>();
 
-    float o[DV_TILES][4], m[2], l[2];
-    clear_row_state(o, m, l);
+    float acc[DV_TILES][4], m[2], l[2];
+    clear_row_state(acc, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), slot_base = smem_addr(slots);
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     };
     auto issue_pv = [&](int t) {  // O += P(t) V(t)
         product_rs_tf32<HEAD_DIM_V, BLOCK_N>(
-            o, p_frag, slot_base + (t % STAGES) * SLOT_BYTES + K_BYTES, true);
+            acc, p_frag, slot_base + (t % STAGES) * SLOT_BYTES + K_BYTES, true);
     };
     auto release = [&](int t) {  // every product on slot t % STAGES is done
         if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
         const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
                                                            blk.mask, blk.bias);
-        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, o, scale, exp2_fn);
+        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
         tf32_fragments<BLOCK_N>(p_frag, sc);
     };
     if (tiles > 0) {
@@ -446,5 +446,5 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         release(tiles - 1);
     }
 
-    store_rows<float, DV_TILES>(o, l, m, p, b, row0, lane);  // normalise and store
+    store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

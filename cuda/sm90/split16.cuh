@@ -251,7 +251,8 @@ __device__ __forceinline__ void magnitudes_of_rows(const AttnParams& p, long lon
     __shared__ float part[MAGS][MAG_THREADS / 32];
     auto reduce = [&](float m, int i) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        for (int offset = 16; offset > 0; offset >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
         if (lane == 0) part[i][warp] = m;
     };
     reduce(mq, MAG_Q);
