@@ -6,6 +6,8 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuattn
 from cuattn.reference import attention_reference
@@ -273,3 +275,54 @@ def test_docs_page_examples():
     result = doctest.testfile(str(page), module_relative=False,
                               optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 5 and result.failed == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_random_chunkings_and_features(data):
+    """Random batch shapes (with broadcast keys), random chunk sizes on every axis, random
+    features: the Dask result equals the in-memory call (float64), forward and backward."""
+    draw = data.draw
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    batch = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
+    k_batch = tuple(n if draw(st.booleans()) else 1 for n in batch)
+    sq, sk = draw(st.integers(1, 24)), draw(st.integers(0, 30))
+    q = rng.standard_normal(batch + (sq, 8))
+    k = rng.standard_normal(k_batch + (sk, 8))
+    v = rng.standard_normal(k_batch + (sk, 5))
+    kw = {}
+    if draw(st.booleans()):
+        kw["causal"] = True
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.sampled_from([None, 0, 2, 7])),
+                        draw(st.sampled_from([None, 0, 3])))
+    if draw(st.booleans()):
+        kw["mask"] = rng.random((sq, sk)) > 0.3
+    if draw(st.booleans()):
+        kw["softcap"] = 3.0
+
+    def chunks(shape):
+        return tuple(draw(st.integers(1, max(n, 1))) for n in shape)
+
+    dq = da.from_array(q, chunks=chunks(q.shape))
+    dk = da.from_array(k, chunks=chunks(k.shape))
+    dv = da.from_array(v, chunks=chunks(v.shape))
+    dkw = dict(kw)
+    if "mask" in kw:
+        dkw["mask"] = da.from_array(kw["mask"], chunks=chunks(kw["mask"].shape))
+    out, lse = cuattn.attention(q, k, v, return_lse=True, **kw)
+    got, got_lse = dask.compute(*cuattn.attention(dq, dk, dv, return_lse=True, **dkw),
+                                scheduler="sync")
+    np.testing.assert_allclose(got, out, rtol=0, atol=1e-13)
+    np.testing.assert_array_equal(np.isinf(got_lse), np.isinf(lse))
+    finite = np.isfinite(lse)
+    np.testing.assert_allclose(got_lse[finite], lse[finite], rtol=1e-13, atol=1e-13)
+    dout = rng.standard_normal(out.shape)
+    want = cuattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    grads = dask.compute(*cuattn.attention_backward(
+        da.from_array(dout, chunks=chunks(dout.shape)), dq, dk, dv,
+        da.from_array(out, chunks=chunks(out.shape)), da.from_array(lse, chunks=chunks(
+            lse.shape)), **dkw), scheduler="sync")
+    for g, w in zip(grads, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
