@@ -243,12 +243,14 @@ def backward_instances(arch: str):
 
 def gate_instances(arch: str) -> list[tuple[str, str, bool]]:
     """(filename, name expression, fast) of every instance the gate compiles for ``arch``:
-    vector_add's, kv_cache_append's, and every forward and backward instance dispatch can
-    pick."""
+    vector_add's, kv_cache_append's, merge_parts', and every forward and backward instance
+    dispatch can pick."""
     from .cache import kv_cache_instances
     from .elementwise import VECTOR_ADD_DTYPES, vector_add_instance
+    from .merge import merge_instances
     return ([("vector_add.cu", vector_add_instance(d), True) for d in VECTOR_ADD_DTYPES]
             + [("kv_cache.cu", expr, True) for expr in kv_cache_instances()]
+            + [("merge.cu", expr, True) for expr in merge_instances()]
             + forward_instances(arch) + backward_instances(arch))
 
 

@@ -1,7 +1,7 @@
 """Kernel parameter blocks, defined once: by the C++ structs in the kernel sources.
 
 A kernel takes one struct by value (``AttnParams``, ``AttnBwdParams``, ``Tf32Prep``,
-``KvAppend``).
+``KvAppend``, ``MergeParams``).
 :func:`block_dtype` reads the struct's declaration from the sources the loader uses
 (``CUATTN_KERNEL_DIR`` included) and returns the NumPy structured dtype with the same
 fields, offsets and size, so Python fills the block by field name and a field added or
@@ -24,7 +24,7 @@ __all__ = ["block_dtype", "new_block", "STRUCT_FILES"]
 #: the source file that declares each parameter struct (with the structs it nests)
 STRUCT_FILES = {"Strides": "common/common.cuh", "AttnParams": "common/common.cuh",
                 "AttnBwdParams": "common/common.cuh", "Tf32Prep": "sm90/attention_sm90_tf32.cu",
-                "KvAppend": "kv_cache.cu"}
+                "KvAppend": "kv_cache.cu", "MergeParams": "merge.cu"}
 
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64, "float": np.float32,
             "unsigned long long": np.uint64}

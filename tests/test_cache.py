@@ -1,8 +1,11 @@
 """kv_cache_append and decoding over a cache with k_lengths."""
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import to_host
+from _hostdev import batch_offset, fields
 
 import cuattn
 
@@ -156,52 +159,26 @@ def test_gpu_append_host_and_device_lengths(dtype):
     np.testing.assert_array_equal(to_host(dv), want_v)
 
 
-class _HostDevice(np.ndarray):
-    """A host array that the CuPy path takes for a device array (``.data.ptr`` is its host
-    address), so the launch can be emulated on host memory."""
-
-    @property
-    def data(self):
-        import types
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
-
-
-def _emulate_kv_cache_append(block, pointers):
-    """cuda/kv_cache.cu's kernel, element by element, on host memory at ``pointers``."""
-    import ctypes
-    kc, vc, kn, vn, ln = pointers
-    f = {name: block[name][()] for name in block.dtype.names}
-
-    def offset(s, b):
-        b2, b01 = b % f["batch2"], b // f["batch2"]
-        return (b01 // f["batch1"]) * s["b0"] + (b01 % f["batch1"]) * s["b1"] + b2 * s["b2"]
-
-    item = np.dtype(_EMULATED["dtype"]).itemsize
-    index = np.dtype(_EMULATED["lengths"])
-
-    def inside(address, size):  # a wrong stride fails here instead of touching other memory
-        assert any(lo <= address and address + size <= hi for lo, hi in _EMULATED["ranges"]), \
-            f"address {address:#x} is outside every array of the call"
-        return int(address)
-
-    for b in range(f["entries"]):
-        address = inside(ln + offset(f["len_s"], b) * index.itemsize, index.itemsize)
-        length = int(np.frombuffer((ctypes.c_char * index.itemsize).from_address(address),
-                                   index)[0])
-        for i in range(f["new_rows"]):
-            pos = length + i
-            if not 0 <= pos < f["cache_rows"]:
-                continue
-            for dst, dst_s, src, src_s, cols in ((kc, "kc_s", kn, "kn_s", f["head_dim"]),
-                                                 (vc, "vc_s", vn, "vn_s", f["head_dim_v"])):
-                ds, ss = f[dst_s], f[src_s]
-                for c in range(cols):
-                    to = dst + (offset(ds, b) + pos * ds["row"] + c * ds["col"]) * item
-                    fro = src + (offset(ss, b) + i * ss["row"] + c * ss["col"]) * item
-                    ctypes.memmove(inside(to, item), inside(fro, item), item)
-
-
-_EMULATED = {}
+def _emulate_kv_cache_append(memory, dtype, index):
+    """cuda/kv_cache.cu's kernel, element by element, on host memory."""
+    def run(block, pointers, grid):
+        kc, vc, kn, vn, ln = pointers
+        f = fields(block)
+        item = np.dtype(dtype).itemsize
+        for b in range(f["entries"]):
+            length = int(memory.read(ln + batch_offset(f["len_s"], b, f) * index.itemsize,
+                                     index))
+            for i in range(f["new_rows"]):
+                pos = length + i
+                if not 0 <= pos < f["cache_rows"]:
+                    continue
+                for dst, ds, src, ss, cols in ((kc, f["kc_s"], kn, f["kn_s"], f["head_dim"]),
+                                               (vc, f["vc_s"], vn, f["vn_s"], f["head_dim_v"])):
+                    for c in range(cols):
+                        to = batch_offset(ds, b, f) + pos * ds["row"] + c * ds["col"]
+                        fro = batch_offset(ss, b, f) + i * ss["row"] + c * ss["col"]
+                        memory.copy(dst + to * item, src + fro * item, item)
+    return run
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(np.float64)], ids=str)
@@ -209,34 +186,10 @@ def test_device_launch_parameters_on_host_memory(dtype, monkeypatch):
     """The CuPy path's parameter block, grid and pointers, run through an emulation of the
     kernel on host memory: strided caches, broadcast new rows and lengths, 4 batch axes
     (one launch loop), and lengths that overflow (rows dropped)."""
-    import sys
-    import types
+    from _hostdev import Memory, fake_cupy, on_device
 
-    import cuattn._kernels
-    import cuattn._launch
     from cuattn import cache
     from cuattn._checks import CacheAppend
-
-    launches = []
-
-    class FakeLaunch:
-        def __init__(self, fn, grid, threads, shared_mem, block, pointers=()):
-            assert fn == "kernel" and shared_mem == 0 and threads == 128
-            assert pointers == ("k_cache", "v_cache", "k_new", "v_new", "lengths")
-            self.grid, self.block = grid, block
-
-        def __call__(self, pointers, stream):
-            launches.append(self.grid)
-            _emulate_kv_cache_append(self.block, pointers)
-
-    def asarray(x, dtype=None):
-        return np.ascontiguousarray(x, dtype=dtype).view(_HostDevice)
-
-    fake = types.SimpleNamespace(asarray=asarray, cuda=types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda filename, expr: "kernel")
-    monkeypatch.setattr(cuattn._launch, "Launch", FakeLaunch)
     rng = np.random.default_rng(4)
     store = rng.standard_normal((2, 3, 4, 12, 2, 6)).astype(dtype)  # (a, b, c, S, d, D)
     k_cache = store.swapaxes(-2, -3).swapaxes(2, 3)                   # (a, b, d, c, S, D)
@@ -253,14 +206,12 @@ def test_device_launch_parameters_on_host_memory(dtype, monkeypatch):
         stop = min(at + n, 12)
         want_k[b][at:stop] = np.broadcast_to(k_new, batch + k_new.shape[-2:])[b][:stop - at]
         want_v[b][at:stop] = np.broadcast_to(v_new, batch + v_new.shape[-2:])[b][:stop - at]
-    from cuattn._checks import byte_bounds
-    device_lengths = asarray(lengths, dtype=np.int64)
-    monkeypatch.setattr(fake, "asarray", lambda x, dtype=None: device_lengths)
-    _EMULATED.update(dtype=dtype, lengths=np.int64, ranges=[
-        byte_bounds(x) for x in (k_cache, v_cache, k_new, v_new, device_lengths)])
-    call = CacheAppend(fake, k_cache.view(_HostDevice), v_cache.view(_HostDevice),
-                       k_new.view(_HostDevice), v_new.view(_HostDevice), lengths, batch)
+    arrays = [k_cache, v_cache, k_new, v_new]
+    grids = fake_cupy(monkeypatch,
+                      _emulate_kv_cache_append(Memory(arrays), dtype, np.dtype(np.int64)),
+                      ("k_cache", "v_cache", "k_new", "v_new", "lengths"), 128, arrays)
+    call = CacheAppend(sys.modules["cupy"], *(on_device(x) for x in arrays), lengths, batch)
     cache._append_cupy(call)
-    assert launches == [(3, 24), (3, 24)]  # a launch per index of the outer batch axis
+    assert grids == [(3, 24), (3, 24)]  # a launch per index of the outer batch axis
     np.testing.assert_array_equal(k_cache, want_k)
     np.testing.assert_array_equal(v_cache, want_v)

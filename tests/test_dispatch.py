@@ -448,9 +448,9 @@ def test_template_signatures_name_the_cpp_parameters():
     for info in pkgutil.iter_modules(cuattn.families.__path__):
         module = importlib.import_module(f"cuattn.families.{info.name}")
         kernels.update({k.name: k for k in vars(module).values() if isinstance(k, Kernel)})
-    # every attention template is named; the two utility kernels build their names in
-    # cuattn/elementwise.py and cuattn/cache.py
-    assert set(cpp) - set(kernels) == {"vector_add", "kv_cache_append"}
+    # every attention template is named; the utility kernels build their names in
+    # cuattn/elementwise.py, cuattn/cache.py and cuattn/merge.py
+    assert set(cpp) - set(kernels) == {"vector_add", "kv_cache_append", "merge_parts"}
     for name, kernel in kernels.items():
         assert name in cpp, f"{name}: no such __global__ template in cuda/"
         params, defaults = cpp[name]

@@ -3,6 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _accuracy import to_host
+from _hostdev import batch_offset, fields
 
 import cuattn
 from cuattn.reference import attention_reference
@@ -122,3 +123,81 @@ def test_gpu_merge_matches_the_host_merge(dtype):
     ulp = float(ml_dtypes.finfo(dtype).eps) * np.max(np.abs(ref))
     assert np.max(np.abs(to_host(out).astype(np.float64) - ref)) <= err_one + 2 * ulp
     assert np.max(np.abs(to_host(lse) - ref_lse)) <= (1e-12 if dtype == np.float64 else 1e-5)
+
+
+def _emulate_merge_parts(memory, dtype):
+    """cuda/merge.cu's kernel, element by element, on host memory (accumulating in the
+    kernel's type, exp as exp2 of x·log2 e as the kernel computes it)."""
+    acc = np.float64 if dtype == np.float64 else np.float32
+    log2e = acc(1.4426950408889634)
+
+    def run(block, pointers, grid):
+        f = fields(block)
+        out, lse = pointers[:2]
+        part_out, part_lse = pointers[2:2 + 8], pointers[10:18]
+        item, acc_item = np.dtype(dtype).itemsize, np.dtype(acc).itemsize
+        for b in range(f["entries"]):
+            for row in range(f["rows"]):
+                at = batch_offset(f["part_lse_s"], b, f) + row * f["part_lse_s"]["row"]
+                lses = [memory.read(part_lse[i] + at * acc_item, acc)
+                        for i in range(f["parts"])]
+                m = max(lses)
+                empty = m == -np.inf
+                weights = [np.exp2((x - (0 if empty else m)) * log2e) for x in lses]
+                total = acc(sum(weights, acc(0)))
+                for col in range(f["cols"]):
+                    o_at = (batch_offset(f["part_out_s"], b, f) + row * f["part_out_s"]["row"]
+                            + col * f["part_out_s"]["col"])
+                    s = acc(0)
+                    for i, w in enumerate(weights):
+                        s += w * acc(memory.read(part_out[i] + o_at * item, dtype))
+                    value = 0 if empty else s / total
+                    to = (batch_offset(f["out_s"], b, f) + row * f["out_s"]["row"]
+                          + col * f["out_s"]["col"])
+                    memory.write(out + to * item, value, dtype)
+                to = batch_offset(f["lse_s"], b, f) + row * f["lse_s"]["row"]
+                memory.write(lse + to * acc_item, -np.inf if empty else m + np.log(total), acc)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=str)
+def test_device_merge_launch_on_host_memory(dtype, monkeypatch):
+    """The CuPy path's parameter block, grid and pointers through an emulation of
+    cuda/merge.cu on host memory: strided parts over four batch axes that do not collapse
+    (a launch loop), parts of different layouts (copied to one), rows with no allowed key
+    in some or in every part."""
+    from _hostdev import Memory, fake_cupy, on_device
+
+    from cuattn import merge
+    rng = np.random.default_rng(9)
+    acc = np.float64 if dtype == np.float64 else np.float32
+
+    def strided(shape, dtype):  # batch axes in reverse memory order: none of them merge
+        base = rng.standard_normal(shape[:4][::-1] + shape[4:]).astype(dtype)
+        return base.transpose((3, 2, 1, 0) + tuple(range(4, base.ndim)))
+
+    shape = (2, 3, 2, 4, 5, 6)
+    outs = [strided(shape, dtype) for _ in range(3)]
+    lses = [strided(shape[:-1], acc) for _ in range(3)]
+    lses[0][0, 0, 0, 0, 1] = -np.inf                  # one part without keys in a row
+    for x in lses:
+        x[1, 2, 1, 3, 4] = -np.inf                     # no part has keys in this row
+    names = (("out", "lse") + tuple(f"part_out{i}" for i in range(8))
+             + tuple(f"part_lse{i}" for i in range(8)))
+    arrays = list(outs) + list(lses)
+    grids = fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256,
+                      arrays)
+    for parts_of in (list, lambda xs: xs[:2] + [np.asfortranarray(xs[2])]):
+        grids.clear()
+        parts = parts_of(outs)
+        arrays += parts
+        want, want_lse = merge.merge_attention(parts, lses)  # the NumPy merge
+        got, got_lse = merge._merge_cupy([on_device(x) for x in parts],
+                                         [on_device(x) for x in lses])
+        assert grids == [(1, 24), (1, 24)]  # a launch per index of the outer batch axis
+        assert got.dtype == dtype and got_lse.dtype == acc
+        assert not got[1, 2, 1, 3, 4].any() and got_lse[1, 2, 1, 3, 4] == -np.inf
+        ulp = float(ml_dtypes.finfo(dtype).eps) * float(np.max(np.abs(want)))
+        np.testing.assert_allclose(np.asarray(got, np.float64), want.astype(np.float64),
+                                   rtol=0, atol=2 * ulp)
+        np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)
