@@ -266,11 +266,13 @@ def _forward_part(q, k, v, mask, bias, *, cut, c0, kwargs):
 def _merge_parts(parts, *, dtype):
     """One merge of the tree: ``parts`` are (out, lse) pairs; ``dtype`` is the input dtype at
     the root, which rounds once, and None below it, where results stay in the accumulation
-    dtype (float32, float64 for float64), as inside :func:`cuattn.merge_attention`."""
-    acc = parts[0][1].dtype
-    out, lse = merge_attention([o.astype(acc, copy=False) for o, _ in parts],
-                               [lse for _, lse in parts])
-    return (out if dtype is None else out.astype(dtype)), lse
+    dtype (float32, float64 for float64), as inside :func:`cuattn.merge_attention`. The
+    parts of one merge share a dtype: all leaves, or all results of the level below."""
+    outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
+    if dtype is None:  # keep the accumulation dtype for the next level
+        outs = [o.astype(lses[0].dtype, copy=False) for o in outs]
+    out, lse = merge_attention(outs, lses)
+    return (out if dtype is None else out.astype(dtype, copy=False)), lse
 
 
 def _backward_part(dout, q, k, v, out, lse, mask, bias, *, cut, c0, kwargs):
