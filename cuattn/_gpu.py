@@ -13,10 +13,10 @@ import os
 
 import numpy as np
 
-from . import _dispatch
+from . import _dispatch, _split
 from ._checks import AttentionCall, check_attention, loaded_cupy, lse_dtype, sum_to_shape
 from ._kernels import get_kernel
-from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
+from ._launch import Launch, broadcast_strides, device_limits, layout, sm_count, stride_fields
 from ._params import new_block
 
 __all__ = ["forward", "backward", "repeated_call"]
@@ -177,14 +177,21 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
     return (out, lse) if return_lse else out
 
 
-def forward(call: AttentionCall, kernel: str | None = None, tiles=None):
+def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: bool = True):
     """out and lse of a validated CuPy call; ``kernel`` forces a family (tests) and
-    ``tiles`` overrides the dispatch table's tile sizes (sweeps)."""
+    ``tiles`` overrides the dispatch table's tile sizes (sweeps); a call that would leave
+    most SMs idle runs in key chunks (``cuattn._split``) unless ``split`` is False or a
+    family or tiles are forced."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
-            return forward(call, kernel, tiles)
+            return forward(call, kernel, tiles, split)
+    if split and kernel is None and tiles is None and call.seqlen_q and call.seqlen_k:
+        chunks = _split.split_count(call, sm_count(device_id))
+        if chunks > 1:
+            out, lse = _split.forward(call, chunks, lambda part: forward(part, split=False))
+            return out, (lse if call.return_lse else None)
     # cupy.ndarray rather than cupy.empty: the same allocation, one Python call less
     out = call.out if call.out is not None else cupy.ndarray(call.out_shape, call.dtype)
     lse = cupy.ndarray(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 __all__ = ["Launch", "layout", "broadcast_strides", "collapse_batch", "device_limits",
-           "stride_fields"]
+           "sm_count", "stride_fields"]
 
 
 class Launch:
@@ -102,6 +102,13 @@ def device_limits(device_id: int) -> tuple[tuple[int, int], int]:
     dev = cupy.cuda.Device(device_id)
     cc = dev.compute_capability  # e.g. "90"
     return (int(cc[:-1]), int(cc[-1])), int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+@functools.cache
+def sm_count(device_id: int) -> int:
+    """The number of SMs of a device."""
+    import cupy
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 def layout(batch, tensors):
