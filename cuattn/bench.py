@@ -17,6 +17,11 @@ against the same layer in PyTorch (``x @ w + b`` projections, SDPA, ``@ w_o + b_
 the encoder block of the docs' ViT page against ``torch.nn.TransformerEncoderLayer``. Their
 FLOPs are 2·M·E² per projection (M = B·N tokens) plus attention's, and 16·M·E² more for
 the block's MLP.
+
+The ``dask`` suite times one call against the same call on Dask arrays of CuPy chunks
+(threaded scheduler). The ``decode`` suite times a few query rows against long keys (GQA
+included) against SDPA's flash and cuDNN backends; its rate is the bytes of K and V read
+per second.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ __all__ = ["SUITES", "run", "write_report"]
 @dataclass
 class Case:
     suite: str
-    kind: str                 # "attention", "vector_add", "dask", "layer" or "block" (LAYERS)
+    kind: str                 # "attention", "vector_add", "dask", "decode", "layer", "block"
     dtype: str
     batch: int = 1
     heads: int = 1
@@ -49,6 +54,9 @@ class Case:
     #: "mask": a bool mask (B, 1, S, S), about 90 % True; "bias": a float bias (1, 1, S, S)
     #: of the inputs' dtype; both given to PyTorch's SDPA as its attn_mask
     side: str | None = None
+    #: decode cases: keys (``seqlen`` is then the query rows) and K/V heads (GQA)
+    seqlen_k: int = 0
+    heads_kv: int = 0
 
     @property
     def label(self) -> str:
@@ -57,6 +65,11 @@ class Case:
         if self.kind in LAYERS:
             return (f"{LAYERS[self.kind]} B{self.batch} N{self.seqlen} "
                     f"E{self.heads * self.head_dim} H{self.heads} {self.dtype}")
+        if self.kind == "decode":
+            heads = (f"H{self.heads}" if self.heads_kv == self.heads else
+                     f"Hq{self.heads} Hk{self.heads_kv}")
+            return (f"B{self.batch} {heads} Sq{self.seqlen} Sk{self.seqlen_k} "
+                    f"D{self.head_dim} {self.dtype}")
         extra = (" causal" if self.causal else "")
         extra += f" {self.precision}" if self.precision else ""
         extra += f" {self.side}" if self.side else ""
@@ -72,6 +85,17 @@ class Case:
             tokens_e2 = self.batch * self.seqlen * (self.heads * self.head_dim) ** 2
             return f + 8.0 * tokens_e2 + (16.0 * tokens_e2 if self.kind == "block" else 0.0)
         return 2.5 * f if self.direction == "bwd" else f
+
+    @property
+    def kv_bytes(self) -> float:
+        """Bytes of K and V a decode case reads (each K/V head once)."""
+        size = 8 if self.dtype == "float64" else 4 if self.dtype == "float32" else 2
+        return 2.0 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * size
+
+    def rate(self, ms: float) -> float:
+        """The case's rate at ``ms`` per call: GB/s of K and V for decode cases, TFLOP/s
+        otherwise."""
+        return self.kv_bytes / ms / 1e6 if self.kind == "decode" else self.flops / ms / 1e9
 
 
 #: the whole-layer case kinds and the names their labels start with
@@ -126,6 +150,13 @@ SUITES = {
                           directions=("fwd", "bwd"), sides=("mask", "bias")),
     "dask": [Case("dask", "dask", dt, 1, 16, 32768, 128, c)
              for dt in ("bfloat16", "float32") for c in (False, True)],
+    # the issue's decode rows, then Sk 4k / 32k / 128k x B 1 / 16 (H32, one query row)
+    "decode": [Case("decode", "decode", "bfloat16", b, hq, sq, 128, seqlen_k=sk, heads_kv=hk)
+               for b, hq, hk, sq, sk in ((1, 32, 32, 1, 32768), (8, 32, 32, 1, 8192),
+                                         (64, 32, 8, 1, 4096), (1, 32, 8, 1, 131072),
+                                         (16, 32, 8, 4, 16384), (1, 32, 32, 1, 4096),
+                                         (16, 32, 32, 1, 4096), (16, 32, 32, 1, 32768),
+                                         (1, 32, 32, 1, 131072), (16, 32, 32, 1, 131072))],
 }
 #: the chunkings of the dask suite's rows: (label, query chunks, key chunks)
 DASK_SPLITS = (("dask 4 key chunks", 1, 4), ("dask 4 query chunks", 4, 1),
@@ -216,7 +247,7 @@ def _timed_rows(impls: dict, case: Case, cupy, torch, tf32: bool = False) -> lis
                 torch.backends.cuda.matmul.allow_tf32 = tf32
             ms = _time(fn, cupy)
             mb = _peak_extra_mb(fn, cupy, torch if name.startswith("torch") else None)
-            rows.append(Row(name, ms, case.flops / ms / 1e9, mb))
+            rows.append(Row(name, ms, case.rate(ms), mb))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case
             rows.append(Row(name, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
         finally:
@@ -253,6 +284,34 @@ def _dask_rows(case: Case, cupy):
     if da is None:
         rows.append(Row("dask", note="Dask is not installed (pip install \"cuattn[dask]\")"))
     return rows
+
+
+def _decode_rows(case: Case, cupy, torch):
+    """Decoding: q (B, Hkv, G, Sq, D) against k, v (B, Hkv, 1, Sk, D) for cuattn (GQA is
+    broadcasting), the same memory as (B, Hq, Sq, D) and (B, Hkv, Sk, D) for PyTorch's SDPA
+    with ``enable_gqa``; no causal band (for one query row it allows every key). The rate
+    is the bytes of K and V read per second."""
+    import cuattn
+    dtype = np.dtype(case.dtype)
+    groups = case.heads // case.heads_kv
+    b, hk, d = case.batch, case.heads_kv, case.head_dim
+    q = cupy.random.standard_normal((b, hk, groups, case.seqlen, d),
+                                    dtype=cupy.float32).astype(dtype)
+    k, v = (cupy.random.standard_normal((b, hk, 1, case.seqlen_k, d),
+                                        dtype=cupy.float32).astype(dtype) for _ in range(2))
+    impls = {"cuattn": lambda: cuattn.attention(q, k, v)}
+    if torch is not None:
+        from torch.nn.attention import sdpa_kernel
+        tq = torch.from_dlpack(q.reshape(b, case.heads, case.seqlen, d))
+        tk, tv = (torch.from_dlpack(x.reshape(b, hk, case.seqlen_k, d)) for x in (k, v))
+        for name, backend in _torch_backends(torch)[:2]:  # flash, cudnn
+
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, enable_gqa=groups > 1)
+            impls[name] = call
+    return _timed_rows(impls, case, cupy, torch)
 
 
 def _side_inputs(case: Case, cupy, dtype) -> dict:
@@ -530,7 +589,7 @@ def _format(results: list[Result]) -> str:
     lines = []
     for suite in dict.fromkeys(r.case.suite for r in results):
         group = [r for r in results if r.case.suite == suite]
-        unit = "GB/s" if group[0].case.kind == "vector_add" else "TFLOP/s"
+        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
         peers = list(dict.fromkeys(row.impl for r in group for row in r.rows))
         lines.append(f"\n### suite {suite} ({unit}; ratio = peer time / cuattn time, >1 means "
                      f"cuattn is faster; extra MB = peak extra device memory)")
@@ -569,7 +628,7 @@ def _plot(results, path):
         ax.bar(np.arange(len(labels)) + i * width, vals, width, label=impl)
     ax.set_xticks(np.arange(len(labels)) + 0.4)
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s (attention) or GB/s (vector_add)")
+    ax.set_ylabel("TFLOP/s (attention) or GB/s (vector_add, decode)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -612,7 +671,8 @@ def write_report(results: list[Result], directory, env: dict | None = None) -> s
              "One run of ``python -m cuattn bench`` on one GPU, every implementation timed in "
              "the same process on the same inputs (CUDA-event medians after warm-up). "
              "Attention rates are TFLOP/s by FlashAttention's count (forward 4·B·H·Sq·Sk·D, "
-             "halved under causal masking; backward 2.5 times that), vector_add's GB/s. "
+             "halved under causal masking; backward 2.5 times that), vector_add's GB/s, and "
+             "decode rates GB/s of K and V read. "
              "A ratio is the peer's time over cuattn's: above 1, cuattn is faster. This page "
              "is generated; to regenerate it on a GPU machine run the command below.", "",
              f"- date: {env['date']}", f"- GPU: {env['gpu']} (compute capability "
@@ -622,7 +682,7 @@ def write_report(results: list[Result], directory, env: dict | None = None) -> s
     suites = list(dict.fromkeys(r.case.suite for r in results))
     for i, suite in enumerate(suites):
         group = [r for r in results if r.case.suite == suite]
-        unit = "GB/s" if group[0].case.kind == "vector_add" else "TFLOP/s"
+        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
         peers = [p for p in dict.fromkeys(row.impl for r in group for row in r.rows)
                  if p != "cuattn"]
         table = [["case", f"cuattn {unit}", *peers, "cuattn extra MB"]]
@@ -676,6 +736,7 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
             rows = (_vector_add_rows(case, cupy, torch) if case.kind == "vector_add" else
                     _layer_rows(case, cupy, torch) if case.kind in LAYERS else
                     _dask_rows(case, cupy) if case.kind == "dask" else
+                    _decode_rows(case, cupy, torch) if case.kind == "decode" else
                     _attention_rows(case, cupy, torch, backward_kernel))
             results.append(Result(case, rows))
             ours = next((r for r in rows if r.impl == "cuattn"), None)

@@ -56,3 +56,12 @@ def test_timed_rows_time_each_implementation_and_keep_going(monkeypatch):
     assert rows[0].extra_mb == 1.5 and seen == [False]
     assert rows[1].ms is None and rows[1].note == "RuntimeError: no kernel"
     assert matmul.allow_tf32 is True and len(freed) == 2
+
+
+def test_decode_cases_count_kv_bytes():
+    from cuattn.bench import SUITES
+    case = SUITES["decode"][3]  # B1 Hq32 Hk8 Sq1 Sk131072: each K/V head read once
+    assert case.label == "B1 Hq32 Hk8 Sq1 Sk131072 D128 bfloat16"
+    assert case.kv_bytes == 2 * 8 * 131072 * 128 * 2
+    assert case.rate(2.0) == case.kv_bytes / 2.0 / 1e6  # GB/s at 2 ms
+    assert SUITES["decode"][0].label == "B1 H32 Sq1 Sk32768 D128 bfloat16"
