@@ -19,7 +19,7 @@ import numpy as np
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
            "sum_to_shape", "check_merge", "mixed_kinds", "Ragged", "check_ragged",
-           "CacheAppend", "check_cache_append"]
+           "CacheAppend", "check_cache_append", "check_precision", "broadcasts_to"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -112,6 +112,18 @@ class AttentionCall:
     @property
     def lse_shape(self) -> tuple:
         return self.batch_shape + (self.seqlen_q,)
+
+    @property
+    def window(self) -> tuple | None:
+        """The band as the ``window`` argument that says it (causal included), or None."""
+        sides = (self.window_left, self.window_right)
+        return None if sides == (-1, -1) else tuple(None if w < 0 else w for w in sides)
+
+    def keywords(self) -> dict:
+        """The call's scalar arguments, as keywords of another call (on parts of its
+        arrays): scale, softcap, precision."""
+        return {"scale": self.scale, "softcap": self.softcap or None,
+                "precision": self.precision}
 
 
 def byte_bounds(x) -> tuple[int, int]:
@@ -285,13 +297,8 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
     return_lse = check_flag(return_lse, "return_lse")
     window_left, window_right = _window(window, causal)
 
-    if precision is not None:
-        if q.dtype != np.float32:
-            raise ValueError(f"precision applies to float32 only, got precision={precision!r} "
-                             f"for {q.dtype} inputs")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be 'highest' or 'tf32', got precision={precision!r}")
-    elif q.dtype == np.float32:
+    check_precision(precision, q.dtype)
+    if precision is None and q.dtype == np.float32:
         precision = "highest"
 
     out_shape = batch_shape + (seqlen_q, head_dim_v)
@@ -311,6 +318,25 @@ def check_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None
                          head_dim_v=int(head_dim_v), scale=scale, softcap=softcap,
                          window_left=window_left, window_right=window_right,
                          precision=precision, return_lse=bool(return_lse))
+
+
+def check_precision(precision, dtype) -> None:
+    """``precision``: None, or "highest" / "tf32" for float32 inputs only."""
+    if precision is None:
+        return
+    if dtype != np.float32:
+        raise ValueError(f"precision applies to float32 only, got precision={precision!r} "
+                         f"for {dtype} inputs")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be 'highest' or 'tf32', got precision={precision!r}")
+
+
+def broadcasts_to(shape, target) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` without changing it."""
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
 
 
 def _writeable(x) -> bool:
@@ -457,11 +483,7 @@ def check_ragged(call: AttentionCall, q_offsets=None, k_offsets=None, max_q_len=
         if max_q_len is not None or max_k_len is not None:
             raise ValueError("max_q_len and max_k_len go with q_offsets and k_offsets")
         lengths = _index_array(k_lengths, "k_lengths", call.xp, call.q, "q")
-        try:
-            fits = np.broadcast_shapes(lengths.shape, call.batch_shape) == call.batch_shape
-        except ValueError:
-            fits = False
-        if not fits:
+        if not broadcasts_to(lengths.shape, call.batch_shape):
             raise ValueError(f"k_lengths of shape {lengths.shape} does not broadcast to the "
                              f"batch shape {call.batch_shape}")
         if isinstance(lengths, np.ndarray):
@@ -554,11 +576,7 @@ def check_cache_append(k_cache, v_cache, k_new, v_new, lengths) -> CacheAppend:
         raise ValueError(f"k_new has {k_new.shape[-2]} new rows but v_new has "
                          f"{v_new.shape[-2]} (they must match)")
     for name, x in (("k_new", k_new), ("v_new", v_new)):
-        try:
-            fits = np.broadcast_shapes(x.shape[:-2], batch) == batch
-        except ValueError:
-            fits = False
-        if not fits:
+        if not broadcasts_to(x.shape[:-2], batch):
             raise ValueError(f"{name} of shape {x.shape} does not broadcast to the caches' "
                              f"batch shape {batch}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -580,11 +598,7 @@ def check_cache_append(k_cache, v_cache, k_new, v_new, lengths) -> CacheAppend:
                 raise ValueError(f"{name} is on device {x.data.device_id} but k_cache is on "
                                  f"device {device}")
     lengths = _index_array(lengths, "lengths", xp, k_cache, "k_cache")
-    try:
-        fits = np.broadcast_shapes(lengths.shape, batch) == batch
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(lengths.shape, batch):
         raise ValueError(f"lengths of shape {lengths.shape} does not broadcast to the caches' "
                          f"batch shape {batch}")
     rows, new = k_cache.shape[-2], k_new.shape[-2]

@@ -222,10 +222,6 @@ def _cut(call: AttentionCall, r0: int, sq: int, c0: int, sk: int) -> _Cut | None
     return _Cut(lo, hi, None, (None if left_free else first, None if right_free else last))
 
 
-def _call_kwargs(call: AttentionCall) -> dict:
-    return {"scale": call.scale, "softcap": call.softcap or None, "precision": call.precision}
-
-
 def _slice_cols(x, lo, hi):
     """Columns [lo, hi) of a mask or bias block (one that broadcasts along them as it is)."""
     return x if x is None or x.shape[-1] == 1 else x[..., lo:hi]
@@ -365,7 +361,7 @@ def _forward(call: AttentionCall, grid: _Grid):
     token = _token("forward", call, grid)
     part, merge = f"cuattn-part-{token}", f"cuattn-merge-{token}"
     out_name, lse_name = f"cuattn-attention-{token}", f"cuattn-lse-{token}"
-    kwargs = _call_kwargs(call)
+    kwargs = call.keywords()
     names = ("q", "k", "v", "mask", "bias")
     pairs, outs, lses = {}, {}, {}
 
@@ -418,7 +414,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
 def _backward(call: AttentionCall, grid: _Grid):
     token = _token("backward", call, grid)
     part = f"cuattn-grad-part-{token}"
-    kwargs = _call_kwargs(call)
+    kwargs = call.keywords()
     names = ("dout", "q", "k", "v", "out", "lse", "mask", "bias")
     parts = {}
     # block index of q, k or v -> [[part key, which gradient, first row, rows]], in order

@@ -16,12 +16,6 @@ from ._checks import AttentionCall, Ragged, lse_dtype
 __all__ = ["forward", "backward"]
 
 
-def _dense_kwargs(call: AttentionCall) -> dict:
-    side = [None if w < 0 else w for w in (call.window_left, call.window_right)]
-    return {"scale": call.scale, "softcap": call.softcap or None, "precision": call.precision,
-            "window": None if side == [None, None] else tuple(side)}
-
-
 def _sequences(ragged: Ragged):
     """(query rows, key rows) of each packed sequence with at least one query row."""
     q_off, k_off = ragged.q_offsets.tolist(), ragged.k_offsets.tolist()
@@ -68,7 +62,7 @@ def _keys(x, n: int, axis: int):
 def forward(call: AttentionCall, ragged: Ragged):
     """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
     from .attention import attention
-    xp, kw = call.xp, _dense_kwargs(call)
+    xp, kw = call.xp, {**call.keywords(), "window": call.window}
     out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
     lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
     q, k, v = call.q, call.k, call.v
@@ -91,7 +85,7 @@ def backward(call: AttentionCall, ragged: Ragged, dout, out, lse):
     gradients added into float32 (float64 for float64) arrays of the inputs' shapes, rounded
     once."""
     from .attention import attention_backward
-    xp, kw = call.xp, _dense_kwargs(call)
+    xp, kw = call.xp, {**call.keywords(), "window": call.window}
     acc = lse_dtype(call.dtype)
     q, k, v = call.q, call.k, call.v
     grads = [xp.zeros(x.shape, acc) for x in (q, k, v)]

@@ -55,8 +55,7 @@ def forward(call: AttentionCall, n: int, run):
     head = (n - 1) * width  # keys of the first n - 1 chunks
     batch = call.batch_shape
     buf = xp.empty(batch + (n, sq, call.head_dim_v), call.dtype)
-    common = dict(scale=call.scale, softcap=call.softcap or None, precision=call.precision,
-                  return_lse=True)
+    common = dict(call.keywords(), return_lse=True)
 
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))

@@ -15,7 +15,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import FLOAT_DTYPES, MAX_HEAD_DIM, PRECISIONS, as_array, check_flag, mixed_kinds
+from ._checks import (
+    FLOAT_DTYPES,
+    MAX_HEAD_DIM,
+    as_array,
+    broadcasts_to,
+    check_flag,
+    check_precision,
+    mixed_kinds,
+)
 from .attention import attention
 
 __all__ = ["multi_head_attention"]
@@ -165,12 +173,7 @@ def _check_layer(x, xp, params: dict, num_heads, mask, precision) -> _Args:
         arrays[name] = w
     if mask is not None:
         mask = _check_mask(mask, x, xp, num_heads, device)
-    if precision is not None:  # the rule and words of cuattn.attention's check
-        if x.dtype != np.float32:
-            raise ValueError(f"precision applies to float32 only, got precision={precision!r} "
-                             f"for {x.dtype} inputs")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be 'highest' or 'tf32', got precision={precision!r}")
+    check_precision(precision, x.dtype)
     return _Args((arrays["w_q"], arrays["w_k"], arrays["w_v"]),
                  (arrays["b_q"], arrays["b_k"], arrays["b_v"]), arrays["w_o"], arrays["b_o"],
                  mask, precision)
@@ -184,11 +187,8 @@ def _check_mask(mask, x, xp, num_heads, device):
         raise TypeError(f"mask must be a bool array, got dtype {mask.dtype}")
     n = x.shape[-2]
     target = x.shape[:-2] + (num_heads, n, n)
-    try:
-        fits = np.broadcast_shapes(mask.shape, target) == target
-    except ValueError:
-        fits = False
-    if not fits:  # a mask may not add batch axes: the result keeps x's shape
+    # a mask may not add batch axes: the result keeps x's shape
+    if not broadcasts_to(mask.shape, target):
         raise ValueError(f"mask of shape {mask.shape} does not broadcast to "
                          f"(..., num_heads, N, N) = {target}")
     if device is not None and mask.data.device_id != device:
