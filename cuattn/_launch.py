@@ -26,7 +26,9 @@ class Launch:
     sm90_3xf16 kernels' ``magnitudes``). Launched through ``cuLaunchKernel``: about 5 us
     less than CuPy's launch, which converts and packs every argument each call. The kernel
     is the one loaded for the current device. Thread-safe: the pointers are written and
-    launched under a lock, and the driver copies the block before the launch returns."""
+    launched under a lock, and the driver copies the block before the launch returns. A
+    thread's first launch makes the current device's context current in it (a new thread,
+    a Dask worker's say, has none until a runtime call, and ``cuLaunchKernel`` needs one)."""
 
     def __init__(self, kernel, grid: tuple[int, int], threads: int, shared_mem: int,
                  block: np.ndarray, pointers: tuple[str, ...] = (), per_call: str | None = None):
@@ -46,6 +48,8 @@ class Launch:
 
     def __call__(self, pointers, stream_ptr: int, per_call: int | None = None) -> None:
         grid_x, grid_y, threads, shared_mem = self._dims
+        if not getattr(_thread, "has_context", False):
+            _make_context_current()
         with self._lock:
             self._pointers.pack_into(self._bytes, self._pointer_offset, *pointers)
             if per_call is not None:
@@ -55,6 +59,13 @@ class Launch:
 
 
 _INT64 = struct.Struct("<q")
+_thread = threading.local()
+
+
+def _make_context_current() -> None:
+    from cupy.cuda import runtime
+    runtime.setDevice(runtime.getDevice())  # the device's primary context, now current here
+    _thread.has_context = True
 
 
 def _run_of_fields(dtype: np.dtype, names: tuple[str, ...]) -> tuple[struct.Struct, int]:

@@ -4,8 +4,8 @@
 #   tools/gpu_cycle.sh LOGDIR sanitize [ARGS...]       tools/sanitize.py (compute-sanitizer)
 #   tools/gpu_cycle.sh LOGDIR bench [ARGS...]          python -m cuattn bench
 # Each stage writes its full log to LOGDIR and prints its last lines; the exit status is the
-# stage's. Workers for the tests: one per core (pytest-xdist), each with its own kernel cache
-# in the shared CUPY_CACHE_DIR. On a machine without a package index, WHEELS=DIR installs
+# stage's. Workers for the tests: one per core (pytest-xdist), sharing CUPY_CACHE_DIR, which
+# tools/warm_cache.py first fills with the selection's instances, each compiled once. On a machine without a package index, WHEELS=DIR installs
 # Dask (the dask extra, for tests/test_dask.py) from wheels brought in DIR.
 set -uo pipefail
 logdir=$1; stage=$2; shift 2
@@ -17,6 +17,7 @@ if [ -n "${WHEELS:-}" ] && ! python3 -c "import dask.array, distributed" 2>/dev/
 fi
 case $stage in
   tests)
+    python3 tools/warm_cache.py -- -m gpu -n "$(nproc)" "$@" 2>&1 | tee "$logdir/warm.log"
     python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
       | tee "$logdir/tests.log" | tail -25 ;;
   sanitize)

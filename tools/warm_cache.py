@@ -1,0 +1,106 @@
+"""Fill CuPy's on-disk kernel cache with the instances a pytest selection uses, each compiled
+once, in parallel:
+
+    python3 tools/warm_cache.py [-j JOBS] -- PYTEST ARGS...
+
+A GPU test run is bound by NVRTC: every xdist worker meets the same uncached instances at
+about the same time and compiles them again. This tool first runs the selection with every
+compile replaced by a recorder whose kernels launch nothing (the tests fail; only the list of
+instances matters), then compiles the distinct instances across JOBS processes through the
+loader, so that the real run finds each one in ``CUPY_CACHE_DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD_DIR = "CUATTN_RECORD_DIR"
+
+
+class _NoLaunch:
+    """Stands in for a compiled kernel: accepts the attributes and calls a RawKernel gets."""
+    max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, *args, **kwargs):
+        pass
+
+
+def pytest_configure(config):  # the recorder, loaded into each pytest process with -p
+    directory = os.environ.get(RECORD_DIR)
+    if not directory:
+        return
+    from cuattn import _kernels
+    path = Path(directory) / f"{os.getpid()}.jsonl"
+    seen = set()
+
+    def record(device_id, folder, filename, name_expression, options):
+        key = (folder, filename, name_expression, list(options))
+        text = json.dumps(key)
+        if text not in seen:
+            seen.add(text)
+            with path.open("a") as f:  # a line at once: a killed run keeps what it found
+                f.write(text + "\n")
+        return _NoLaunch()
+
+    _kernels._module = record
+
+
+def _compile(folder, filename, name_expression, options):
+    from cuattn import _kernels
+    t0 = time.perf_counter()
+    try:
+        _kernels._module(0, folder, filename, name_expression, tuple(options))
+    except Exception as exc:  # noqa: BLE001 - reported, and met again by the real run
+        return name_expression, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:300]
+    return name_expression, time.perf_counter() - t0, None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--record-timeout", type=float, default=300.0,
+                        help="seconds the recording run may take (default 300)")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    pytest_args = [a for a in args.pytest_args if a != "--"]
+    with tempfile.TemporaryDirectory() as directory:
+        env = dict(os.environ, **{RECORD_DIR: directory})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
+                                                          env.get("PYTHONPATH")]))
+        t0 = time.perf_counter()
+        try:
+            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-p", "warm_cache", *pytest_args], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=args.record_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"recording stopped after {args.record_timeout:.0f} s; warming what it found")
+        keys = set()
+        for f in Path(directory).glob("*.jsonl"):
+            keys.update(f.read_text().splitlines())
+    instances = sorted(tuple(json.loads(k)) for k in keys)
+    print(f"recorded {len(instances)} instances in {time.perf_counter() - t0:.0f} s")
+    t0, failed, total = time.perf_counter(), [], 0.0
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for future in as_completed([pool.submit(_compile, *inst) for inst in instances]):
+            name, seconds, error = future.result()
+            total += seconds
+            if error:
+                failed.append(f"{name}: {error}")
+    print(f"compiled {len(instances)} instances in {time.perf_counter() - t0:.0f} s "
+          f"({total:.0f} s of compile over {args.jobs} processes); {len(failed)} failed")
+    for line in failed:
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
