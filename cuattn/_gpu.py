@@ -160,7 +160,8 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
                                bias=bias, softcap=softcap, return_lse=return_lse,
                                precision=precision)
         out, lse = forward(call)
-        plan = _forward_plans.get(_plan_key(call, device, None, None))
+        planned = _split.fold_groups(call) or call  # a folded call: the same pointers
+        plan = _forward_plans.get(_plan_key(planned, device, None, None))
         if plan is not None and plan[1] is None:  # one launch, plan kept
             if len(_repeated) >= _MAX_PLANS:
                 _repeated.clear()
@@ -180,13 +181,20 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
 def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: bool = True):
     """out and lse of a validated CuPy call; ``kernel`` forces a family (tests) and
     ``tiles`` overrides the dispatch table's tile sizes (sweeps); a call that would leave
-    most SMs idle runs in key chunks (``cuattn._split``) unless ``split`` is False or a
-    family or tiles are forced."""
+    most SMs idle runs in key chunks, and query groups that share their keys run as the
+    rows of one batch entry (``cuattn._split``), unless ``split`` is False or a family or
+    tiles are forced."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
             return forward(call, kernel, tiles, split)
+    if split and kernel is None and tiles is None:
+        folded = _split.fold_groups(call)
+        if folded is not None:  # query groups as rows: each block reads its keys once
+            out, lse = forward(folded)
+            return (call.out if call.out is not None else out.reshape(call.out_shape),
+                    None if lse is None else lse.reshape(call.lse_shape))
     if split and kernel is None and tiles is None and call.seqlen_q and call.seqlen_k:
         chunks = _split.split_count(call, sm_count(device_id))
         if chunks > 1:

@@ -1,6 +1,12 @@
-"""Split-key forward: calls whose grid would leave most SMs idle (decoding: a few query rows
-against many keys, in few batch entries) cut their keys into chunks that become one more
-batch axis of the same launch, and merge the chunks' partial results.
+"""Decoding shapes: few query rows against many keys.
+
+Grouped queries (:func:`fold_groups`): where q's innermost batch axis (the query groups of
+GQA) meets keys and values broadcast along it, the groups become query rows of one batch
+entry, so that one block reads each key once for all of them instead of once per group.
+
+Split keys (:func:`split_count`, :func:`forward`): calls whose grid would leave most SMs
+idle (a few query rows, in few batch entries) cut their keys into chunks that become one
+more batch axis of the same launch, and merge the chunks' partial results.
 
 The first ``n - 1`` chunks hold ``L = Sk // n`` keys each and are one launch over the
 views ``k[..., :(n-1) L, :]`` reshaped to ``(..., n - 1, L, D)`` (q broadcast over the new
@@ -12,11 +18,14 @@ partial outputs are rounded to the input dtype before the merge rounds once more
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from ._checks import AttentionCall, check_attention
+import numpy as np
 
-__all__ = ["split_count", "forward"]
+from ._checks import AttentionCall, lse_dtype
+
+__all__ = ["fold_groups", "split_count", "forward"]
 
 #: fewest keys per chunk: shorter chunks cost more in merging than they gain in blocks
 MIN_CHUNK = 1024
@@ -24,6 +33,52 @@ MIN_CHUNK = 1024
 MAX_CHUNKS = 8
 #: query rows per block that the count of blocks assumes (the forward tiles' BLOCK_M)
 ROWS_PER_BLOCK = 64
+
+
+def fold_groups(call: AttentionCall) -> AttentionCall | None:
+    """The call with q's innermost batch axis (G entries) folded into its query rows, or
+    None where that is not exact or does not pay.
+
+    Folding needs keys and values broadcast along that axis, no mask or bias, a band that
+    allows every key to every row (bottom-right aligned: ``window_right >= Sq - 1`` and
+    ``window_left >= Sk - 1``, e.g. causal with one query row), and q and ``out`` whose G
+    and Sq axes are one run of rows (always so for Sq = 1). It pays while Sq is under one
+    block of rows: each block then reads its keys for G times as many rows. The folded
+    call's q and out are views of the call's: (..., 1, G * Sq, D); so are its results.
+    """
+    batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
+    if (call.mask is not None or call.bias is not None or not batch or batch[-1] == 1
+            or sq == 0 or sq >= ROWS_PER_BLOCK):
+        return None
+    if any(x.ndim >= 3 and x.shape[-3] != 1 for x in (call.k, call.v)):
+        return None
+    if call.q.ndim < 3 or call.q.shape[-3] != batch[-1]:
+        return None
+    left, right = call.window_left, call.window_right
+    if 0 <= left < sk - 1 or 0 <= right < sq - 1:
+        return None
+    q = _rows_folded(call.q, sq)
+    out = None if call.out is None else _rows_folded(call.out, sq)
+    if q is None or (call.out is not None and out is None):
+        return None
+    return dataclasses.replace(call, q=q, out=out, batch_shape=batch[:-1] + (1,),
+                               seqlen_q=batch[-1] * sq, window_left=-1, window_right=-1)
+
+
+def _rows_folded(x, sq: int):
+    """The view (..., 1, G * Sq, D) of x (..., G, Sq, D), or None where x's G and Sq axes
+    are not one run of rows."""
+    *lead, g, _, d = x.shape
+    *lead_strides, g_stride, row_stride, col_stride = x.strides
+    if sq == 1:
+        row_stride = g_stride
+    elif g_stride != sq * row_stride:
+        return None
+    shape = (*lead, 1, g * sq, d)
+    strides = (*lead_strides, 0, row_stride, col_stride)
+    if isinstance(x, np.ndarray):
+        return np.lib.stride_tricks.as_strided(x, shape, strides)
+    return type(x)(shape, x.dtype, memptr=x.data, strides=strides)
 
 
 def split_count(call: AttentionCall, sm_count: int) -> int:
@@ -47,31 +102,33 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
 
 def forward(call: AttentionCall, n: int, run):
     """``(out, lse)`` of a validated call in ``n`` key chunks; ``run(call)`` computes a
-    validated call's ``(out, lse)`` without splitting it again."""
-    from .merge import merge_attention
+    validated call's ``(out, lse)`` without splitting it again. The two parts are views of
+    the call's arrays, derived from it without validating them again."""
+    from .merge import merge_stacked
     xp = call.xp
     sq, sk = call.seqlen_q, call.seqlen_k
     width = sk // n
     head = (n - 1) * width  # keys of the first n - 1 chunks
     batch = call.batch_shape
-    buf = xp.empty(batch + (n, sq, call.head_dim_v), call.dtype)
-    common = dict(call.keywords(), return_lse=True)
+    parts = xp.empty(batch + (n, sq, call.head_dim_v), call.dtype)
+    lses = xp.empty(batch + (n, sq), lse_dtype(call.dtype))
 
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))
 
     # every row sees every key of the first chunks (split_count): no band there
-    first = check_attention(call.q[..., None, :, :], chunked(call.k), chunked(call.v),
-                            out=buf[..., :n - 1, :, :], **common)
-    _, lse_first = run(first)
-    right = call.window_right if call.window_right >= 0 else None
-    last = check_attention(call.q, call.k[..., head:, :], call.v[..., head:, :],
-                           window=None if right is None else (None, right),
-                           out=buf[..., n - 1, :, :], **common)
-    _, lse_last = run(last)
-    out, lse = merge_attention([buf[..., i, :, :] for i in range(n)],
-                               [lse_first[..., i, :] for i in range(n - 1)] + [lse_last])
-    if call.out is not None:
-        call.out[...] = out
-        out = call.out
-    return out, lse
+    _, lses[..., :n - 1, :] = run(_part(
+        call, call.q[..., None, :, :], chunked(call.k), chunked(call.v),
+        parts[..., :n - 1, :, :], batch + (n - 1,), width, -1))
+    _, lses[..., n - 1, :] = run(_part(
+        call, call.q, call.k[..., head:, :], call.v[..., head:, :], parts[..., n - 1, :, :],
+        batch, sk - head, call.window_right))
+    return merge_stacked(parts, lses, out=call.out)
+
+
+def _part(call: AttentionCall, q, k, v, out, batch: tuple, seqlen_k: int, right: int):
+    """The call on views of its arrays: no mask or bias (split_count), no left bound, the
+    right bound ``right`` (-1: none), and its lse."""
+    return dataclasses.replace(call, q=q, k=k, v=v, out=out, batch_shape=batch,
+                               seqlen_k=seqlen_k, window_left=-1, window_right=right,
+                               return_lse=True)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ._checks import check_merge, lse_dtype
 
-__all__ = ["merge_attention", "merge_instances"]
+__all__ = ["merge_attention", "merge_instances", "merge_stacked"]
 
 #: parts one launch of cuda/merge.cu combines (MergeParams holds this many pointers)
 KERNEL_PARTS = 8
@@ -87,25 +87,79 @@ def merge_instances() -> list[str]:
     return [f"merge_parts<{c_type_name(d)}>" for d in FLOAT_DTYPES]
 
 
+def merge_stacked(parts, lses, out=None):
+    """:func:`merge_attention` of parts stacked on one axis, for callers that made them:
+    ``parts`` (..., n, Sq, Dv) and ``lses`` (..., n, Sq) of the lse dtype; the result goes
+    into ``out`` when given. Unvalidated: the split-key forward calls it on its own buffers,
+    and on CuPy (n <= 8) it reads the parts in place, without a view per part."""
+    n = parts.shape[-3]
+    if isinstance(parts, np.ndarray) or n > KERNEL_PARTS or parts.size == 0:
+        merged, lse = merge_attention([parts[..., i, :, :] for i in range(n)],
+                                      [lses[..., i, :] for i in range(n)])
+        if out is None:
+            return merged, lse
+        out[...] = merged
+        return out, lse
+    part, part_lse = parts[..., 0, :, :], lses[..., 0, :]
+    return _merge_parts(part, part_lse,
+                        [part.data.ptr + i * parts.strides[-3] for i in range(n)],
+                        [part_lse.data.ptr + i * lses.strides[-2] for i in range(n)], out)
+
+
 def _merge_cupy(outs, lses):
     """The merge of up to KERNEL_PARTS CuPy parts in one launch of cuda/merge.cu."""
     import cupy
-
-    from ._kernels import c_type_name, get_kernel
-    from ._launch import Launch, broadcast_strides, layout, stride_fields
-    from ._params import new_block
     first = outs[0]
     # the kernel reads every part through one layout
     if any(o.strides != first.strides for o in outs):
         outs = [cupy.ascontiguousarray(o) for o in outs]
     if any(x.strides != lses[0].strides for x in lses):
         lses = [cupy.ascontiguousarray(x) for x in lses]
-    shape = first.shape
-    batch, (rows, cols) = shape[:-2], shape[-2:]
-    out = cupy.empty(shape, first.dtype)
-    lse = cupy.empty(shape[:-1], lse_dtype(first.dtype))
+    return _merge_parts(outs[0], lses[0], [o.data.ptr for o in outs],
+                        [x.data.ptr for x in lses])
+
+
+#: merge launches by layout (:func:`_merge_parts`): a Launch and, per launch of its batch
+#: loop, each slot's byte offset from its array's first element
+_merge_plans: dict = {}
+
+
+def _merge_parts(part, part_lse, part_ptrs, lse_ptrs, out=None):
+    """The merge launch over parts at ``part_ptrs`` and their lse at ``lse_ptrs``, every
+    part laid out as ``part`` and every lse as ``part_lse`` (read for shapes and strides);
+    the result into ``out`` when given. The launch and its layout are kept per layout."""
+    import cupy
+    shape = part.shape
+    batch, rows = shape[:-2], shape[-2]
+    if out is None:
+        out = cupy.empty(shape, part.dtype)
+    lse = cupy.empty(shape[:-1], lse_dtype(part.dtype))
     if rows == 0 or math.prod(batch) == 0:
         return out, lse
+    key = (part.data.device_id, shape, part.dtype, part.strides, part_lse.strides,
+           out.strides, len(part_ptrs))
+    plan = _merge_plans.get(key)
+    if plan is None:
+        plan = _merge_plan(part, part_lse, len(part_ptrs), out, lse)
+        if len(_merge_plans) >= 256:
+            _merge_plans.clear()
+        _merge_plans[key] = plan
+    launch, offset_sets = plan
+    missing = [0] * (KERNEL_PARTS - len(part_ptrs))
+    bases = [out.data.ptr, lse.data.ptr, *part_ptrs, *missing, *lse_ptrs, *missing]
+    stream = cupy.cuda.get_current_stream().ptr
+    for offsets in offset_sets:
+        launch([b and b + o for b, o in zip(bases, offsets)], stream)
+    return out, lse
+
+
+def _merge_plan(part, part_lse, parts: int, out, lse):
+    """(Launch, byte offsets of each slot per launch) of a merge of ``parts`` parts laid
+    out as ``part`` and ``part_lse`` into ``out`` and ``lse``."""
+    from ._kernels import c_type_name, get_kernel
+    from ._launch import Launch, broadcast_strides, layout, stride_fields
+    from ._params import new_block
+    batch, (rows, cols) = part.shape[:-2], part.shape[-2:]
 
     def matrix(x):
         return x, broadcast_strides(x, batch + x.shape[-2:])
@@ -113,21 +167,19 @@ def _merge_cupy(outs, lses):
     def rows_of(x):
         return x, broadcast_strides(x, batch + x.shape[-1:]) + [0]
 
-    missing = [(None, None)] * (KERNEL_PARTS - len(outs))
-    tensors = ([matrix(out), rows_of(lse)] + [matrix(o) for o in outs] + missing
-               + [rows_of(x) for x in lses] + missing)
+    missing = [(None, None)] * (KERNEL_PARTS - parts)
+    tensors = ([matrix(out), rows_of(lse)] + [matrix(part)] * parts + missing
+               + [rows_of(part_lse)] * parts + missing)
     extents, strides, pointer_sets = layout(batch, tensors)
+    bases = [0 if x is None else x.data.ptr for x, _ in tensors]
+    offset_sets = [[p - b for p, b in zip(pointers, bases)] for pointers in pointer_sets]
     entries = math.prod(extents)
-    block = new_block("MergeParams", parts=len(outs), entries=entries, batch1=extents[1],
+    block = new_block("MergeParams", parts=parts, entries=entries, batch1=extents[1],
                       batch2=extents[2], rows=rows, cols=cols,
                       **stride_fields(("out", "lse", "part_out"), strides[:15]),
                       part_lse_s=tuple(strides[5 * (2 + KERNEL_PARTS):][:5]))
     names = (("out", "lse") + tuple(f"part_out{i}" for i in range(KERNEL_PARTS))
              + tuple(f"part_lse{i}" for i in range(KERNEL_PARTS)))
-    fn = get_kernel("merge.cu", f"merge_parts<{c_type_name(first.dtype)}>")
+    fn = get_kernel("merge.cu", f"merge_parts<{c_type_name(part.dtype)}>")
     grid = (min(-(-rows * cols // _THREADS), 2**31 - 1), min(entries, 65535))
-    launch = Launch(fn, grid, _THREADS, 0, block, pointers=names)
-    stream = cupy.cuda.get_current_stream().ptr
-    for pointers in pointer_sets:
-        launch(pointers, stream)
-    return out, lse
+    return Launch(fn, grid, _THREADS, 0, block, pointers=names), offset_sets

@@ -187,7 +187,9 @@ def test_device_merge_launch_on_host_memory(dtype, monkeypatch):
     arrays = list(outs) + list(lses)
     grids = fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256,
                       arrays)
-    for parts_of in (list, lambda xs: xs[:2] + [np.asfortranarray(xs[2])]):
+    monkeypatch.setattr(merge, "_merge_plans", {})  # plans made with the stand-in Launch
+    # twice as given (the second call reuses the kept plan), then with one part copied
+    for parts_of in (list, list, lambda xs: xs[:2] + [np.asfortranarray(xs[2])]):
         grids.clear()
         parts = parts_of(outs)
         arrays += parts
@@ -201,3 +203,31 @@ def test_device_merge_launch_on_host_memory(dtype, monkeypatch):
         np.testing.assert_allclose(np.asarray(got, np.float64), want.astype(np.float64),
                                    rtol=0, atol=2 * ulp)
         np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32], ids=str)
+def test_device_merge_of_stacked_parts_on_host_memory(dtype, monkeypatch):
+    """merge_stacked on CuPy: parts read in place along their axis (as the split-key forward
+    makes them), written into a strided out=, through the emulation of cuda/merge.cu."""
+    from _hostdev import Memory, fake_cupy, on_device
+
+    from cuattn import merge
+    rng = np.random.default_rng(4)
+    parts = rng.standard_normal((2, 3, 5, 7, 6)).astype(dtype)      # (..., n=5, Sq, Dv)
+    lses = rng.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    lses[1, 2, :, 3] = -np.inf                                       # a row without keys
+    out = np.full((2, 3, 7, 12), np.nan, dtype)[..., ::2]            # strided out=
+    names = (("out", "lse") + tuple(f"part_out{i}" for i in range(8))
+             + tuple(f"part_lse{i}" for i in range(8)))
+    arrays = [parts, lses, out]
+    fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256, arrays)
+    monkeypatch.setattr(merge, "_merge_plans", {})
+    want, want_lse = merge.merge_attention([parts[..., i, :, :] for i in range(5)],
+                                           [lses[..., i, :] for i in range(5)])
+    got, got_lse = merge.merge_stacked(on_device(parts), on_device(lses), out=on_device(out))
+    assert np.shares_memory(got, out)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+    host, host_lse = merge.merge_stacked(parts, lses)                # the NumPy path
+    np.testing.assert_array_equal(host, want)
+    np.testing.assert_array_equal(host_lse, want_lse)

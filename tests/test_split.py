@@ -81,3 +81,88 @@ def test_gpu_decode_shapes_split(dtype, sq, kw, monkeypatch):
     ref, ref_lse = attention_reference(q, k, v, **kw)
     assert_accurate(cp.asnumpy(out), ref, naive_attention(q, k, v, **kw))
     np.testing.assert_allclose(cp.asnumpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def _group_inputs(dtype, sq, sk, layout="bhsd", seed=0):
+    """q (2, 3, G=4, Sq, 16) against k, v (2, 3, 1, Sk, ·): keys broadcast over the groups;
+    ``bshd`` stores q as (2, Sq, 3, 4, 16) and passes the transposed view."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 3, 4, sq, 16)).astype(dtype)
+    if layout == "bshd":
+        q = np.ascontiguousarray(q.transpose(0, 3, 1, 2, 4)).transpose(0, 2, 3, 1, 4)
+    k = rng.standard_normal((2, 3, 1, sk, 16)).astype(dtype)
+    v = rng.standard_normal((2, 3, 1, sk, 8)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("sq, sk, layout, kw", [
+    (1, 300, "bhsd", {}),
+    (1, 300, "bshd", {"causal": True}),          # one row: the causal band allows every key
+    (3, 300, "bhsd", {"window": (None, 2)}),     # right >= Sq - 1: every key
+    (5, 0, "bhsd", {}),                          # no keys: rows of 0, lse -inf
+    (7, 129, "bhsd", {"softcap": 5.0, "scale": 0.3, "window": (128, None)}),
+])
+def test_fold_groups_equals_unfolded(dtype, sq, sk, layout, kw):
+    q, k, v = _group_inputs(dtype, sq, sk, layout)
+    call = check_attention(q, k, v, return_lse=True, **kw)
+    folded = _split.fold_groups(call)
+    assert folded is not None and folded.seqlen_q == 4 * sq
+    assert folded.batch_shape == (2, 3, 1) and (folded.window_left, folded.window_right) == (-1, -1)
+    assert np.shares_memory(folded.q, q)
+    out, lse = _cpu.attention_forward(folded)
+    out, lse = out.reshape(call.out_shape), lse.reshape(call.lse_shape)
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    assert_accurate(out, ref, naive_attention(q, k, v, **kw))
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    buf = np.full(call.out_shape, np.nan, dtype)           # out= is written in place
+    folded = _split.fold_groups(check_attention(q, k, v, out=buf, **kw))
+    got, _ = _cpu.attention_forward(folded)
+    assert np.shares_memory(got, buf)
+    np.testing.assert_array_equal(buf, out)
+
+
+def test_fold_groups_only_where_exact_and_useful():
+    q, k, v = _group_inputs(np.float32, 3, 300)
+    fold = _split.fold_groups
+    assert fold(check_attention(q, k, v)) is not None
+    assert fold(check_attention(q, k, v, causal=True)) is None       # rows see different keys
+    assert fold(check_attention(q, k, v, window=(100, None))) is None
+    assert fold(check_attention(q, k, v, mask=np.ones((3, 300), bool))) is None
+    assert fold(check_attention(q, np.broadcast_to(k, (2, 3, 4, 300, 16)), v)) is None
+    wide, kw, vw = _group_inputs(np.float32, 64, 300)                 # a full block of rows
+    assert fold(check_attention(wide, kw, vw)) is None
+    strided, _, _ = _group_inputs(np.float32, 3, 300, layout="bshd")  # groups not a run
+    assert fold(check_attention(strided, k, v)) is None
+    assert fold(check_attention(q[:, :, :1], k, v)) is None           # one group
+    one_row = check_attention(q[..., :1, :], k, v, out=np.empty((2, 3, 4, 1, 8),
+                                                                np.float32)[..., ::1, :])
+    assert fold(one_row) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16, np.dtype(np.float32),
+                                   np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("sq, layout, kw", [(1, "bshd", {"causal": True}), (3, "bhsd", {}),
+                                            (1, "bhsd", {"softcap": 5.0})])
+def test_gpu_folded_groups(dtype, sq, layout, kw):
+    """Query groups folded into rows on the GPU: accurate, into out= in place, and the same
+    again through the repeated-call path."""
+    import cupy as cp
+
+    import cuattn
+    q, k, v = _group_inputs(dtype, sq, 300, layout, seed=5)
+    assert _split.fold_groups(check_attention(q, k, v, **kw)) is not None
+    qd = cp.asarray(np.ascontiguousarray(q.transpose(0, 3, 1, 2, 4))).transpose(0, 2, 3, 1, 4) \
+        if layout == "bshd" else cp.asarray(q)
+    kd, vd = cp.asarray(k), cp.asarray(v)
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    naive = naive_attention(q, k, v, **kw)
+    for _ in range(2):  # the second call takes the repeated-call plan
+        out, lse = cuattn.attention(qd, kd, vd, return_lse=True, **kw)
+        assert out.shape == ref.shape and lse.shape == ref_lse.shape
+        assert_accurate(cp.asnumpy(out), ref, naive)
+        np.testing.assert_allclose(cp.asnumpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    buf = cp.full(ref.shape, cp.nan, dtype)
+    assert cuattn.attention(qd, kd, vd, out=buf, **kw) is buf
+    assert_accurate(cp.asnumpy(buf), ref, naive)
