@@ -194,7 +194,8 @@ def cmd_bench(args) -> int:
         return 2
     results = bench.run(suites, json_path=args.json or "cuattn-bench.json", plot_path=args.plot,
                         direction=args.direction, max_seqlen=args.max_seqlen,
-                        match=args.match or (), backward_kernel=args.backward_kernel)
+                        match=args.match or (), backward_kernel=args.backward_kernel,
+                        peers=not args.no_peers)
     print(bench._format(results))
     if args.report:
         print(f"performance page: {bench.write_report(results, args.report)}")
@@ -228,6 +229,8 @@ def main(argv=None) -> int:
     b.add_argument("--backward-kernel", metavar="FAMILY",
                    help="force cuattn's backward rows to this backward family (e.g. "
                         "sm90_3xf16); the forward is dispatched as usual")
+    b.add_argument("--no-peers", action="store_true",
+                   help="time cuattn (and the naive CuPy baseline) without the PyTorch peers")
     b.add_argument("--json", help="write results here (default cuattn-bench.json, or "
                                   "cuattn-accuracy.json with --accuracy)")
     b.add_argument("--plot", default="cuattn-bench.png", help="write a PNG plot here")

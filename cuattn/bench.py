@@ -714,14 +714,14 @@ def write_report(results: list[Result], directory, env: dict | None = None) -> s
 
 
 def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
-        max_seqlen=None, match=(), backward_kernel=None) -> list[Result]:
+        max_seqlen=None, match=(), backward_kernel=None, peers=True) -> list[Result]:
     """Run the named suites (only the ``direction`` rows, "fwd" or "bwd", sequences up to
     ``max_seqlen``, and labels containing every string of ``match``, when given; cuattn's
-    backward rows through the family ``backward_kernel``, when given); print a progress
-    line per case and return the results."""
+    backward rows through the family ``backward_kernel``, when given; without the PyTorch
+    peers unless ``peers``); print a progress line per case and return the results."""
     from ._kernels import require_cupy
     cupy = require_cupy()
-    torch = _try_import("torch")
+    torch = _try_import("torch") if peers else None
     if torch is not None and not torch.cuda.is_available():
         torch = None
     results = []

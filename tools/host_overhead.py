@@ -32,10 +32,18 @@ def main():
     x = cp.random.standard_normal((16, 64), dtype=cp.float32)
     mask = cp.ones((16, 16), bool)
     out = cp.empty_like(x)
+    # decoding: one query row per head against 2048 keys, split in two key chunks; with
+    # four query groups per key head, folded into rows first
+    dq = cp.random.standard_normal((1, 32, 1, 1, 64), dtype=cp.float32).astype(cp.float16)
+    dk = cp.random.standard_normal((1, 32, 1, 2048, 64), dtype=cp.float32).astype(cp.float16)
+    gq = dq.reshape(1, 8, 4, 1, 64)
+    gk = dk[:, :8]
     rows = {
         "attention fp16 (1, 2, 16, 64)": lambda: cuattn.attention(q, q, q),
         "attention fp16 causal + mask": lambda: cuattn.attention(q, q, q, causal=True, mask=mask),
         "attention fp32 (16, 64) portable": lambda: cuattn.attention(x, x, x),
+        "decode fp16 H32 Sk2048 (2 chunks)": lambda: cuattn.attention(dq, dk, dk),
+        "decode fp16 Hq32 Hk8 Sk2048 (folded)": lambda: cuattn.attention(gq, gk, gk),
         "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
         "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
     }

@@ -1,13 +1,15 @@
-"""Fill CuPy's on-disk kernel cache with the instances a pytest selection uses, each compiled
-once, in parallel:
+"""Fill CuPy's on-disk kernel cache with the instances a pytest selection (or a module run
+with ``python -m``) uses, each compiled once, in parallel:
 
     python3 tools/warm_cache.py [-j JOBS] -- PYTEST ARGS...
+    python3 tools/warm_cache.py [-j JOBS] --module cuattn -- bench --suite train --no-peers
 
 A GPU test run is bound by NVRTC: every xdist worker meets the same uncached instances at
 about the same time and compiles them again. This tool first runs the selection with every
-compile replaced by a recorder whose kernels launch nothing (the tests fail; only the list of
-instances matters), then compiles the distinct instances across JOBS processes through the
-loader, so that the real run finds each one in ``CUPY_CACHE_DIR``.
+compile replaced by a recorder whose kernels launch nothing (tests fail, times are
+meaningless; only the list of instances matters), then compiles the distinct instances
+across JOBS processes through the loader, so that the real run finds each one in
+``CUPY_CACHE_DIR``.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ class _NoLaunch:
 
 
 def pytest_configure(config):  # the recorder, loaded into each pytest process with -p
+    install_recorder()
+
+
+def install_recorder():
+    """In a process started by this tool: compiles are recorded, launches do nothing."""
     directory = os.environ.get(RECORD_DIR)
     if not directory:
         return
@@ -68,17 +75,24 @@ def main(argv=None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--record-timeout", type=float, default=300.0,
                         help="seconds the recording run may take (default 300)")
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    parser.add_argument("--module", help="record `python -m MODULE ARGS` instead of pytest")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="pytest's or the module's")
     args = parser.parse_args(argv)
-    pytest_args = [a for a in args.pytest_args if a != "--"]
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.module:
+        command = [sys.executable, "-c", "import sys, runpy, warm_cache; "
+                   "warm_cache.install_recorder(); sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
+                   "runpy.run_module(sys.argv[0], run_name='__main__')", args.module, *rest]
+    else:
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "-p", "warm_cache", *rest]
     with tempfile.TemporaryDirectory() as directory:
         env = dict(os.environ, **{RECORD_DIR: directory})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
                                                           env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         try:
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-p", "warm_cache", *pytest_args], cwd=ROOT, env=env,
+            subprocess.run(command, cwd=ROOT, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=args.record_timeout)
         except subprocess.TimeoutExpired:
