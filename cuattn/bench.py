@@ -59,6 +59,13 @@ class Case:
     heads_kv: int = 0
 
     @property
+    def lengths(self) -> list[int]:
+        """A varlen case's sequence lengths: ``batch`` draws from 64 to ``seqlen``, the same
+        on every run."""
+        rng = np.random.default_rng(self.batch)
+        return [int(n) for n in rng.integers(64, self.seqlen + 1, self.batch)]
+
+    @property
     def label(self) -> str:
         if self.kind == "vector_add":
             return f"vector_add n=2^{int(math.log2(self.n))} {self.dtype}"
@@ -70,6 +77,9 @@ class Case:
                      f"Hq{self.heads} Hk{self.heads_kv}")
             return (f"B{self.batch} {heads} Sq{self.seqlen} Sk{self.seqlen_k} "
                     f"D{self.head_dim} {self.dtype}")
+        if self.kind == "varlen":
+            return (f"varlen B{self.batch} H{self.heads} L64-{self.seqlen} D{self.head_dim} "
+                    f"{self.dtype}" + (" causal" if self.causal else ""))
         extra = (" causal" if self.causal else "")
         extra += f" {self.precision}" if self.precision else ""
         extra += f" {self.side}" if self.side else ""
@@ -79,7 +89,9 @@ class Case:
 
     @property
     def flops(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        squares = (sum(n * n for n in self.lengths) if self.kind == "varlen" else
+                   self.batch * self.seqlen * self.seqlen)
+        f = 4.0 * self.heads * squares * self.head_dim
         f = f / 2 if self.causal else f
         if self.kind in LAYERS:  # four projections, and the block's MLP of 4E
             tokens_e2 = self.batch * self.seqlen * (self.heads * self.head_dim) ** 2
@@ -157,6 +169,9 @@ SUITES = {
                                          (16, 32, 8, 4, 16384), (1, 32, 32, 1, 4096),
                                          (16, 32, 32, 1, 4096), (16, 32, 32, 1, 32768),
                                          (1, 32, 32, 1, 131072), (16, 32, 32, 1, 131072))],
+    # packed sequences of 64-4096 tokens (bf16, H16, D128), 16 and 64 of them
+    "varlen": [Case("varlen", "varlen", "bfloat16", b, 16, 4096, 128, c)
+               for b in (16, 64) for c in (False, True)],
 }
 #: the chunkings of the dask suite's rows: (label, query chunks, key chunks)
 DASK_SPLITS = (("dask 4 key chunks", 1, 4), ("dask 4 query chunks", 4, 1),
@@ -311,6 +326,40 @@ def _decode_rows(case: Case, cupy, torch):
                     return torch.nn.functional.scaled_dot_product_attention(
                         tq, tk, tv, enable_gqa=groups > 1)
             impls[name] = call
+    return _timed_rows(impls, case, cupy, torch)
+
+
+def _varlen_rows(case: Case, cupy, torch):
+    """Packed sequences: cuattn with ``q_offsets``/``k_offsets`` on (H, T, D) views of
+    (T, H, D) tokens; cuattn's dense call on B sequences of the length that does the same
+    work (the root mean square length); PyTorch's SDPA on nested (jagged) tensors of the
+    same tokens with its flash and cuDNN backends."""
+    import cuattn
+    dtype = np.dtype(case.dtype)
+    lengths = case.lengths
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    h, d = case.heads, case.head_dim
+    tokens = [cupy.random.standard_normal((int(offsets[-1]), h, d), dtype=cupy.float32)
+              .astype(dtype) for _ in range(3)]
+    q, k, v = (x.swapaxes(0, 1) for x in tokens)          # (H, T, D) views
+    side = math.isqrt(sum(n * n for n in lengths) // case.batch)
+    dq, dk, dv = (cupy.random.standard_normal((case.batch, h, side, d), dtype=cupy.float32)
+                  .astype(dtype) for _ in range(3))
+    impls = {"cuattn": lambda: cuattn.attention(q, k, v, causal=case.causal,
+                                                q_offsets=offsets, k_offsets=offsets),
+             "cuattn dense": lambda: cuattn.attention(dq, dk, dv, causal=case.causal)}
+    if torch is not None:
+        from torch.nn.attention import sdpa_kernel
+        t_offsets = torch.as_tensor(offsets, device="cuda")
+        tq, tk, tv = (torch.nested.nested_tensor_from_jagged(torch.from_dlpack(x), t_offsets)
+                      .transpose(1, 2) for x in tokens)
+        for name, backend in _torch_backends(torch)[:2]:  # flash, cudnn
+
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=case.causal)
+            impls[f"{name} nested"] = call
     return _timed_rows(impls, case, cupy, torch)
 
 
@@ -737,6 +786,7 @@ def run(suites, json_path=None, plot_path=None, progress=print, direction=None,
                     _layer_rows(case, cupy, torch) if case.kind in LAYERS else
                     _dask_rows(case, cupy) if case.kind == "dask" else
                     _decode_rows(case, cupy, torch) if case.kind == "decode" else
+                    _varlen_rows(case, cupy, torch) if case.kind == "varlen" else
                     _attention_rows(case, cupy, torch, backward_kernel))
             results.append(Result(case, rows))
             ours = next((r for r in rows if r.impl == "cuattn"), None)
