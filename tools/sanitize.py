@@ -7,10 +7,12 @@ and synccheck, one error summary per tool.
 The driver runs this file again under ``compute-sanitizer --tool T`` with ``--cases``: that
 child runs the forward and the backward of every family the GPU's dispatch tables serve,
 each forced in turn (as the tests force them), on small ragged shapes, plain and with a
-mask, a bias and causal, with CuPy's memory pool disabled so that every allocation is
-exact and an out-of-bounds access is not hidden inside a pooled block. Every result is
-checked for NaN (all inputs are finite), so a case that the sanitizer lets through but
-computes garbage fails too. Exit status 1 when any tool reports an error or a case fails.
+mask, a bias and causal, and the decode paths as dispatch takes them (``--family decode``:
+folded query groups, split keys, merge_attention, kv_cache_append), with CuPy's memory
+pool disabled so that every allocation is exact and an out-of-bounds access is not hidden
+inside a pooled block. Every result is checked for NaN (all inputs are finite), so a case
+that the sanitizer lets through but computes garbage fails too. Exit status 1 when any tool
+reports an error or a case fails.
 """
 from __future__ import annotations
 
@@ -51,7 +53,34 @@ def _cases(families=None):
                     for shape in shapes:
                         for features in ("plain", "masked"):
                             out.append((fam.name, direction, name, precision, shape, features))
+    if not families or "decode" in families:  # dispatch's own decode paths, no family forced
+        out += [("decode", "fwd", name, None, shape, "plain")
+                for name in ("float16", "bfloat16", "float32", "float64")
+                for shape in ((1, 300, 64, 64), (3, 2500, 128, 96))]
     return out
+
+
+def _run_decode(dtype, shape, rng):
+    """Query groups folded into rows (Sq 1, or 3 rows that every key serves), split keys
+    (2,500 keys for 4 key heads: two chunks and the merge), merge_attention of three parts
+    and kv_cache_append; the results of every step."""
+    import cupy
+
+    import cuattn
+    sq, sk, d, dv = shape
+    q = cupy.asarray(rng.standard_normal((1, 4, 2, sq, d)).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((1, 4, 1, sk, d)).astype(dtype))
+    v = cupy.asarray(rng.standard_normal((1, 4, 1, sk, dv)).astype(dtype))
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    cut = (sk // 3, 2 * sk // 3)
+    parts = [cuattn.attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True)
+             for a, b in zip((0, *cut), (*cut, sk))]
+    merged, _ = cuattn.merge_attention(*zip(*parts))
+    k_cache, v_cache = cupy.zeros((1, 4, 1, sk + 8, d), dtype), cupy.zeros((1, 4, 1, sk + 8, dv),
+                                                                         dtype)
+    lengths = cupy.asarray(rng.integers(0, 9, (1, 4, 1)))
+    cuattn.kv_cache_append(k_cache, v_cache, k[..., :sk - 8, :], v[..., :sk - 8, :], lengths)
+    return [out, lse.astype(cupy.float32), merged, k_cache, v_cache]
 
 
 def _run_case(family, direction, name, precision, shape, features, rng):
@@ -62,6 +91,10 @@ def _run_case(family, direction, name, precision, shape, features, rng):
     from cuattn.attention import _attention, _attention_backward
 
     dtype = ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+    if family == "decode":
+        results = _run_decode(dtype, shape, rng)
+        cupy.cuda.get_current_stream().synchronize()
+        return all(not bool(cupy.isnan(r.astype(cupy.float32)).any()) for r in results)
     sq, sk, d, dv = shape
     q = cupy.asarray(rng.standard_normal((1, 2, sq, d)).astype(dtype))
     k = cupy.asarray(rng.standard_normal((1, 2, sk, d)).astype(dtype))
