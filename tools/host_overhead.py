@@ -1,10 +1,11 @@
 """Host time per call on tiny shapes (the target: <= 25 us of Python per attention call).
 
     PYTHONPATH=. python tools/host_overhead.py            # microseconds per call
-    PYTHONPATH=. python tools/host_overhead.py --profile  # and a cProfile of attention()
+    PYTHONPATH=. python tools/host_overhead.py --profile [WORD]  # and a cProfile of a row
 
-The GPU work of these shapes is a few microseconds, so calls issued back to back without
-synchronisation measure the host side.
+Calls are issued back to back without synchronisation, so a row measures the host side
+where its GPU work is shorter (a few microseconds for the attention rows; the decode and
+layer rows print the larger of the two).
 """
 import cProfile
 import pstats
@@ -38,12 +39,19 @@ def main():
     dk = cp.random.standard_normal((1, 32, 1, 2048, 64), dtype=cp.float32).astype(cp.float16)
     gq = dq.reshape(1, 8, 4, 1, 64)
     gk = dk[:, :8]
+    # the ViT-B/16 self-attention layer at batch 1 (x (1, 197, 768), 12 heads, biases)
+    lx = cp.random.standard_normal((1, 197, 768), dtype=cp.float32).astype(cp.float16)
+    lw = [cp.random.standard_normal((768, 768), dtype=cp.float32).astype(cp.float16) / 28
+          for _ in range(4)]
+    lb = [cp.zeros(768, cp.float16) for _ in range(4)]
     rows = {
         "attention fp16 (1, 2, 16, 64)": lambda: cuattn.attention(q, q, q),
         "attention fp16 causal + mask": lambda: cuattn.attention(q, q, q, causal=True, mask=mask),
         "attention fp32 (16, 64) portable": lambda: cuattn.attention(x, x, x),
         "decode fp16 H32 Sk2048 (2 chunks)": lambda: cuattn.attention(dq, dk, dk),
         "decode fp16 Hq32 Hk8 Sk2048 (folded)": lambda: cuattn.attention(gq, gk, gk),
+        "multi_head_attention fp16 B1 N197 E768": lambda: cuattn.multi_head_attention(
+            lx, *lw, num_heads=12, b_q=lb[0], b_k=lb[1], b_v=lb[2], b_o=lb[3]),
         "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
         "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
     }
@@ -68,10 +76,14 @@ def main():
         print(f"{name:40s} {per_call_us(fn):7.1f} us per call (host, launch included)")
     for name, us in peers.items():
         print(f"{name:40s} {us:7.1f} us per call (host, launch included)")
-    if "--profile" in sys.argv:
+    if "--profile" in sys.argv:  # --profile [WORD]: the first row whose name has WORD
+        at = sys.argv.index("--profile") + 1
+        word = sys.argv[at] if at < len(sys.argv) else "attention"
+        name = next(n for n in rows if word in n)
+        print(f"cProfile of {name}")
         prof = cProfile.Profile()
         prof.enable()
-        per_call_us(rows["attention fp16 (1, 2, 16, 64)"])
+        per_call_us(rows[name])
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
