@@ -2,7 +2,8 @@
 // families (attention_backward_portable.cu, attention_backward_mma.cu,
 // attention_backward_sm90.cu): rebuilding P and dS from a raw score, the forward's lse and
 // delta (p_and_ds per element; p_and_ds_tile per m16n8 accumulator tile, the sm90 kernels);
-// the gradient-tile store of the tensor-core kernels; and
+// the lse and delta loads (stage_row_stats, load_row_stats) and the gradient-tile store of
+// the tensor-core kernels; and
 // the first kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
 // rows, one warp per row).
 #pragma once
@@ -188,6 +189,60 @@ __device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8]
                                KEYS_ARE_ROWS ? p.bias_s.row : p.bias_s.col};
     p_and_ds_tile<HAS_MASK, KEYS_ARE_ROWS, N8, BiasT>(s, dp, p, k, row0, col0, lane, interior,
                                                       mv, bv, stat);
+}
+
+// The same with the mask and bias that `side` (SideTiles, mma_tiles.cuh) staged in its stage
+// st with the streamed tile (queries from q0, keys from k0), or, where it stages none, the
+// arrays in place.
+template <bool HAS_MASK, bool KEYS_ARE_ROWS, int N8, typename BiasT, typename Side,
+          typename Stat>
+__device__ __forceinline__ void p_and_ds_tile(float (&s)[N8][4], float (&dp)[N8][4],
+                                              const AttnParams& p, const ScoreConsts<float>& k,
+                                              long long row0, long long col0, int lane,
+                                              bool interior, const Side& side, int st,
+                                              long long q0, long long k0,
+                                              const unsigned char* mask, const BiasT* bias,
+                                              const Stat& stat) {
+    if (side.staged)
+        p_and_ds_tile<HAS_MASK, KEYS_ARE_ROWS, N8, BiasT>(s, dp, p, k, row0, col0, lane,
+                                                          interior, side.mask_view(st, q0, k0),
+                                                          side.bias_view(st, q0, k0), stat);
+    else
+        p_and_ds_tile<HAS_MASK, KEYS_ARE_ROWS>(s, dp, p, k, row0, col0, lane, interior, mask,
+                                               bias, stat);
+}
+
+// The lse (log2 units) and delta of query rows m0 .. m0 + ROWS - 1 into stage st of lse_s and
+// delta_s (ROWS floats a stage) by plain loads, THREADS threads; rows past seqlen_q get -inf
+// and 0. The variables that the calling lambda captures come by reference, as it holds them.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void stage_row_stats(float* const& lse_s, float* const& delta_s,
+                                                int st, const float* const& lse,
+                                                const float* const& delta,
+                                                const AttnBwdParams& bp, long long m0) {
+    const AttnParams& p = bp.f;
+    for (int i = threadIdx.x; i < ROWS; i += THREADS) {
+        const long long r = m0 + i;
+        lse_s[st * ROWS + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
+                                              : neg_inf<float>();
+        delta_s[st * ROWS + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
+    }
+}
+
+// The lse (log2 units) and delta of this lane's two rows of its warp's m16n8 accumulator
+// tile in the dQ kernels: rows m0 + 16 warp + g and + g + 8 (g = lane/4); rows past
+// seqlen_q get -inf and 0, which make their P and dS 0.
+template <typename A>
+__device__ __forceinline__ void load_row_stats(A (&lse_log2)[2], A (&dl)[2], const A* lse,
+                                               const A* delta, const AttnBwdParams& bp,
+                                               long long m0, int warp, int lane) {
+    const AttnParams& p = bp.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
+        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * A(LOG2E) : neg_inf<A>();
+        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : A(0);
+    }
 }
 
 // Write a warp's 16 x (8*COLS8) float accumulator tile of a tensor-core backward (m16n8

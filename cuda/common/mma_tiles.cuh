@@ -11,6 +11,7 @@
 //   scores     X Y^T  for a warp's 16*M_TILES rows of X against BLOCK_N rows of Y
 //   accumulate_cols O += P Z  with P from registers and Z by ldmatrix.trans (accumulate_pv:
 //                   all of Z's columns)
+//   zero       accumulators cleared (also the Hopper kernels')
 #pragma once
 
 #include "common/common.cuh"
@@ -451,6 +452,15 @@ __device__ __forceinline__ void accumulate_pv(float (&acc)[M_TILES][HEAD_DIM_V /
                                               unsigned v_base,
                                               const LaneOffsets<HEAD_DIM_V>& v_off) {
     accumulate_cols<BLOCK_N, HEAD_DIM_V, HEAD_DIM_V, M_TILES, T>(acc, s, v_base, v_off);
+}
+
+// accumulators cleared
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int d = 0; d < N; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 }
 
 }  // namespace mma

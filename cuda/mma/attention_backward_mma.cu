@@ -97,25 +97,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
             do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Swizzled<HEAD_DIM_V>());
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-            const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
-                                                     : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-        }
+        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, lse, delta, bp, m0);
     };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
 
     float dk[1][DK_COLS / 8][4], dv[1][DV_COLS / 8][4];
-#pragma unroll
-    for (int d = 0; d < DK_COLS / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[0][d][e] = 0.f;
-#pragma unroll
-    for (int d = 0; d < DV_COLS / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dv[0][d][e] = 0.f;
+    zero(dk[0]);
+    zero(dv[0]);
 
     // ldmatrix rows of this lane: K, V as A operands (the warp's 16 keys); Q, dO as B
     // operands of the score products and as transposed B operands of the gradient products
@@ -221,19 +210,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
-    // this lane's two rows (g and g + 8 of the warp's 16)
-    float lse_log2[2], dl[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
-        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-    }
+    float lse_log2[2], dl[2];  // this lane's two rows
+    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
     float dq[1][DQ_COLS / 8][4];
-#pragma unroll
-    for (int d = 0; d < DQ_COLS / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[0][d][e] = 0.f;
+    zero(dq[0]);
 
     const LaneOffsets<HEAD_DIM> q_a(warp * 16 + lane % 16, lane / 16);
     const LaneOffsets<HEAD_DIM_V> do_a(warp * 16 + lane % 16, lane / 16);

@@ -195,12 +195,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
             do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Pitched<DOP>());
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-            const long long r = m0 + i;
-            lse_s[st * BLOCK_M + i] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E)
-                                                     : neg_inf<float>();
-            delta_s[st * BLOCK_M + i] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-        }
+        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, lse, delta, bp, m0);
     };
     // PRE: round the Q and dO chunks this thread copied into stage `st`, once they have
     // landed (the barrier after makes them visible)
@@ -226,14 +221,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const ScoreConsts<float> consts(p);
 
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM_V / 8][4];
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[d][e] = 0.f;
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM_V / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dv[d][e] = 0.f;
+    zero(dk);
+    zero(dv);
 
     int stage = 0;
     for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
@@ -331,19 +320,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                                  p.seqlen_q - m0, p.head_dim_v);
     if (n_lo < n_hi) preround_kv(0);
 
-    // this lane's two rows (g and g + 8 of the warp's 16)
-    float lse_log2[2], dl[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = m0 + warp * 16 + g + 8 * h;
-        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-    }
+    float lse_log2[2], dl[2];  // this lane's two rows
+    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
     float dq[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[d][e] = 0.f;
+    zero(dq);
 
     const float4* q_w = reinterpret_cast<const float4*>(q_f) + warp * (HEAD_DIM / 8) * 32 + lane;
     const float4* do_w = reinterpret_cast<const float4*>(do_f) + warp * (HEAD_DIM_V / 8) * 32 + lane;

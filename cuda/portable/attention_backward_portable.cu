@@ -88,18 +88,14 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
     const ScoreConsts<A> consts(p);
 
     A dk[TN][TC], dv[TN][TC];
-#pragma unroll
-    for (int i = 0; i < TN; ++i)
-#pragma unroll
-        for (int c = 0; c < TC; ++c) dk[i][c] = dv[i][c] = A(0);
+    clear_tile(dk);
+    clear_tile(dv);
 
     for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M) {
         const long long rows_q = p.seqlen_q - m0;
         A s[TN][TQ], dp[TN][TQ];  // S^T and dP^T: keys down, queries across
-#pragma unroll
-        for (int i = 0; i < TN; ++i)
-#pragma unroll
-            for (int j = 0; j < TQ; ++j) s[i][j] = dp[i][j] = A(0);
+        clear_tile(s);
+        clear_tile(dp);
         for (int dc = 0; dc < num_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if constexpr (!RESIDENT) {
@@ -219,18 +215,13 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
     }
 
     A dq[TM][TC];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int c = 0; c < TC; ++c) dq[i][c] = A(0);
+    clear_tile(dq);
 
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N) {
         const long long rows_k = p.seqlen_k - n0;
         A s[TM][TN], dp[TM][TN];
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) s[i][j] = dp[i][j] = A(0);
+        clear_tile(s);
+        clear_tile(dp);
         for (int dc = 0; dc < num_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if constexpr (!RESIDENT) {

@@ -124,6 +124,37 @@ __device__ __forceinline__ void update_row_state(A (&s)[TM][TN], A (&m)[TM], A (
     }
 }
 
+// S = Q K^T for key tile n0 on the cp.async pipeline, its K in stage `stage`; the copies of
+// the next tile's K and of this tile's V are issued around the barrier. rows_out: this
+// thread's rows take nothing from the tile (no product).
+template <int BLOCK_N, int D_TILE, int PAD, int K_ELEMS, int TM, int TN, typename A,
+          typename RequestK, typename RequestV>
+__device__ __forceinline__ void pipelined_scores(A (&s)[TM][TN], A* q_s, A* kv_s,
+                                                 long long n0, long long n_hi, int stage,
+                                                 bool rows_out, int tx, int ty,
+                                                 const RequestK& request_k,
+                                                 const RequestV& request_v) {
+    // the next tile's K into the other stage, which the previous iteration's scores
+    // read before its second barrier
+    if (n0 + BLOCK_N < n_hi) request_k(n0 + BLOCK_N, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the group just issued has landed ...
+    __syncthreads();     // ... for every thread: this tile's K (and Q); and every
+                         // thread is past the previous P V, so V and P are free
+    request_v(n0);       // lands while the scores are computed
+    cp_async_commit();
+    if (!rows_out) scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
+}
+
+// P (the probabilities in s) into its shared tile of pitch PP: row ty*TM + i, column tx + 16 j
+template <int PP, int TM, int TN, typename A>
+__device__ __forceinline__ void store_p(A* p_s, const A (&s)[TM][TN], int tx, int ty) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) p_s[(ty * TM + i) * PP + tx + 16 * j] = s[i][j];
+}
+
 // acc = alpha * acc + P V for one key tile
 template <int TM, int TV, int BLOCK_N, int DV_TILE, int PAD, typename A>
 __device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A (&alpha)[TM],
@@ -134,6 +165,51 @@ __device__ __forceinline__ void rescale_and_accumulate(A (&acc)[TM][TV], const A
 #pragma unroll
         for (int c = 0; c < TV; ++c) acc[i][c] *= alpha[i];
     accumulate<TM, TV, BLOCK_N, DV_TILE, PAD>(acc, p_s, v_s, tx, ty);
+}
+
+// The row state before the first tile: m -inf, l 0, acc 0.
+template <int TM, int TV, typename A>
+__device__ __forceinline__ void clear_row_state(A (&m)[TM], A (&l)[TM], A (&acc)[TM][TV]) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        m[i] = neg_inf<A>();
+        l[i] = A(0);
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
+    }
+}
+
+// The end of the online softmax: out = acc / l for this thread's rows
+// row0 + Y_STEP y + ROW_STEP i and columns col0 + (x + COL_STEP u) VEC + e (computed in
+// col0's type: int where the columns are the tile's own), and lse = m ln 2 + log l, written
+// by the thread with x == 0 of column tile 0. A row with no allowed key has l == 0: out 0,
+// lse -inf.
+template <typename T, int Y_STEP, int ROW_STEP, int COL_STEP, int TM, int TV, typename A,
+          typename C>
+__device__ __forceinline__ void store_rows(const A (&acc)[TM][TV], const A (&m)[TM],
+                                           const A (&l)[TM], const AttnParams& p, long long b,
+                                           long long row0, int y, C col0, long long col_tile,
+                                           int x) {
+    constexpr int VEC = 16 / sizeof(A);
+    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const long long r = row0 + y * Y_STEP + ROW_STEP * i;
+        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
+        const A inv_l = l[i] == A(0) ? A(0) : A(1) / l[i];
+#pragma unroll
+        for (int u = 0; u < TV / VEC; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const long long c = col0 + (x + COL_STEP * u) * VEC + e;
+                if (c < p.head_dim_v)  // columns past Dv in the last tile
+                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
+            }
+        if (p.lse && col_tile == 0 && x == 0) {
+            A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
+            lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
+        }
+    }
 }
 
 }  // namespace
@@ -206,13 +282,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     }
 
     A m[TM], l[TM], acc[TM][TV];
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        m[i] = neg_inf<A>();
-        l[i] = A(0);
-#pragma unroll
-        for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
-    }
+    clear_row_state(m, l, acc);
 
     int stage = 0;
     for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -225,22 +295,11 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
                               (p.window_right >= 0 && n0 > r0 + TM - 1 + off + p.window_right) ||
                               (p.window_left >= 0 && n0 + BLOCK_N - 1 < r0 + off - p.window_left);
         A s[TM][TN];
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) s[i][j] = A(0);
-        if constexpr (PIPELINED) {
-            // the next tile's K into the other stage, which the previous iteration's scores
-            // read before its second barrier
-            if (n0 + BLOCK_N < n_hi) request_k(n0 + BLOCK_N, stage ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();  // everything but the group just issued has landed ...
-            __syncthreads();     // ... for every thread: this tile's K (and Q); and every
-                                 // thread is past the previous P V, so V and P are free
-            request_v(n0);       // lands while the scores are computed
-            cp_async_commit();
-            if (!rows_out) scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s + stage * K_ELEMS, tx, ty);
-        }
+        clear_tile(s);
+        if constexpr (PIPELINED)
+            pipelined_scores<BLOCK_N, D_TILE, PAD, K_ELEMS>(s, q_s, kv_s, n0, n_hi, stage,
+                                                            rows_out, tx, ty, request_k,
+                                                            request_v);
         for (int dc = 0; !PIPELINED && dc < num_d_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if (num_d_chunks > 1)
@@ -259,10 +318,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
         mask_scores<TM, TN, HAS_MASK>(s, p, r0, n0 + tx, interior, mask, bias);
         A alpha[TM];
         update_row_state(s, m, l, alpha);
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) p_s[(ty * TM + i) * (BLOCK_N + PAD) + tx + 16 * j] = s[i][j];
+        store_p<BLOCK_N + PAD>(p_s, s, tx, ty);
         // not pipelined: V reuses the K buffer, which the barrier after the last score
         // chunk freed
         if constexpr (!PIPELINED)
@@ -280,26 +336,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
     }
     if constexpr (PIPELINED) cp_async_wait<0>();  // no copy may outlive the block
 
-    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf.
-    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        const long long r = m0 + ty * TM + i;
-        if (r >= p.seqlen_q) continue;  // rows past the end of a partial tile
-        const A inv_l = l[i] == A(0) ? A(0) : A(1) / l[i];
-#pragma unroll
-        for (int u = 0; u < TV / VEC; ++u)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const long long c = c0 + (tx + 16 * u) * VEC + e;
-                if (c < p.head_dim_v)  // columns past Dv in the last tile
-                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
-            }
-        if (p.lse && dv_tile == 0 && tx == 0) {
-            A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
-        }
-    }
+    store_rows<T, TM, 1, 16>(acc, m, l, p, b, m0, ty, c0, dv_tile, tx);  // normalise and store
 }
 
 // ---- the warp-tiled form ---------------------------------------------------------------
@@ -334,6 +371,10 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // bytes take, where the plain order took four); P V reads its operands one step ahead
 // (accumulate_ahead). For double the row max may go stale (LAZY_LOG2, below): most tiles
 // then need no max, no rescale and no dependent chain before their exp2.
+// Structure: the kernel's steps are lambdas (scores_of, softmax, pv, takes and the copies),
+// and one of three tile loops composes them: staggered_loop (the two groups), lockstep_loop
+// and spread_loop (LOCKSTEP, without and with the spread copies); softmax_tile is the
+// softmax step.
 // Shared mem: (BLOCK_M*(HEAD_DIM+PAD) + KS*BLOCK_N*(HEAD_DIM+PAD) + VS*BLOCK_N*(HEAD_DIM_V+PAD)
 //             + BLOCK_M*(BLOCK_N+PAD)) * sizeof(T), BLOCK_M = 128, PAD = 16 bytes of T, K and
 //             V stages KS, VS = 2, 3 (1, 1 with LOCKSTEP);
@@ -343,6 +384,265 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
 // inside double's range, and acc / l and m ln 2 + log l unchanged. m stays the max of the
 // tiles that took the exact step, so every score seen is at most m + LAZY_LOG2.
 constexpr double LAZY_LOG2 = 8.0;
+
+namespace {
+
+// v[i] = max or sum of v[i] over the eight lanes that hold row ly + 4 i of the warp-tiled
+// form (lane bits 0, 2 and 3: lx)
+template <int RM, typename A> __device__ __forceinline__ void row_max(A (&v)[RM]) {
+#pragma unroll
+    for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
+#pragma unroll
+        for (int i = 0; i < RM; ++i) v[i] = max_acc(v[i], __shfl_xor_sync(0xffffffffu, v[i], offset));
+}
+template <int RM, typename A> __device__ __forceinline__ void row_sum(A (&v)[RM]) {
+#pragma unroll
+    for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
+#pragma unroll
+        for (int i = 0; i < RM; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+}
+
+// The tile's terms against the row max as it stands (LAZY_LOG2, double): P = exp2(c s - m)
+// into the warp's tile, part = this lane's row sums. Returns (warp-uniformly) whether some
+// term exceeds 2^LAZY_LOG2, so that the exact step must run instead.
+template <int PP, int RM, int TN, typename A, typename Exp2, typename Between>
+__device__ __forceinline__ bool stale_max_terms(const A (&s)[RM][TN], const A (&m)[RM],
+                                                A (&part)[RM], A c, A* p_w, int lx, int ly,
+                                                const Exp2& exp2_row, const Between& between) {
+    bool over = false;
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        part[i] = A(0);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            if (j % 4 == 0) between((i * TN + j) / 4);
+            const A x = fma(s[i][j], c, -m[i]);
+            over |= x > A(LAZY_LOG2);
+            const A pij = exp2_row(x);
+            part[i] += pij;
+            p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;
+        }
+    }
+    return __any_sync(0xffffffffu, over);
+}
+
+// The exact online-softmax step of the warp-tiled form, all RM rows at once so that their
+// reductions and exp2 chains interleave: m rises to the row max of c s, P = exp2(c s - m)
+// goes into the warp's tile (row ly + 4 i at 4 ly + i), l = alpha l + the row sums. Returns
+// (warp-uniformly) whether some row's max moved, so that acc must be rescaled by alpha.
+template <int RM, int TN, int PP, typename A, typename Exp2, typename Between>
+__device__ __forceinline__ bool update_row_stats(const A (&s)[RM][TN], A (&m)[RM], A (&l)[RM],
+                                                 A (&alpha)[RM], A c, A* p_w, int lx, int ly,
+                                                 const Exp2& exp2_row, const Between& between) {
+    A mx[RM], sum[RM];
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        mx[i] = s[i][0];
+#pragma unroll
+        for (int j = 1; j < TN; ++j) mx[i] = max_acc(mx[i], s[i][j]);
+    }
+    row_max(mx);
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        const A m_new = max_acc(m[i], mx[i] * c);
+        mx[i] = m_new == neg_inf<A>() ? A(0) : m_new;  // m_use, as update_row_state
+        alpha[i] = exp2_row(m[i] - mx[i]);
+        m[i] = m_new;
+        sum[i] = A(0);
+    }
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            if (j % 4 == 0) between((i * TN + j) / 4);
+            const A pij = exp2_row(fma(s[i][j], c, -mx[i]));
+            sum[i] += pij;
+            p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
+        }
+    row_sum(sum);
+    bool moved = false;
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        l[i] = l[i] * alpha[i] + sum[i];
+        moved |= alpha[i] != A(1);
+    }
+    return __any_sync(0xffffffffu, moved);
+}
+
+// acc row i *= alpha[i] (the rescale update_row_stats asks for)
+template <int RM, int TV, typename A>
+__device__ __forceinline__ void rescale_rows(A (&acc)[RM][TV], const A (&alpha)[RM]) {
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int c = 0; c < TV; ++c) acc[i][c] *= alpha[i];
+}
+
+// The softmax of the held key tile, n0 = n_lo + held BLOCK_N, for the warp's rows
+// w0 .. w0 + WARP_M - 1 (this lane's: r0 + 4 i, r0 = w0 + ly): scores to log2 units, the row
+// state m, l, acc, and P into the warp's tile p_w. between(k) before every fourth exp2 of a
+// row, k counting them (eight times a path for 64-key tiles). The kernel's scalars come by
+// reference, as the softmax lambda that calls this captures them: taken by value, they
+// change the code the compiler makes of the loop.
+template <bool HAS_MASK, int WARP_M, int BLOCK_N, int PP, int RM, int TN, int TV, typename A,
+          typename T, typename BiasT, typename Exp2, typename Between>
+__device__ __forceinline__ void softmax_tile(A (&s)[RM][TN], A (&m)[RM], A (&l)[RM],
+                                             A (&acc)[RM][TV], A* const& p_w,
+                                             const AttnParams& p,
+                                             const ForwardBlock<T, BiasT>& blk,
+                                             const long long& w0, const long long& r0,
+                                             const long long& n_lo, const int& held,
+                                             const int& lx, const int& ly, const A& scale_log2,
+                                             const bool& plain, const Exp2& exp2_row,
+                                             const Between& between) {
+    const long long n0 = n_lo + (long long)held * BLOCK_N;
+    const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
+    // an interior tile without softcap or bias keeps its raw dot products: the scale
+    // goes into the max and into the exp2 argument, fma(s, scale, -m)
+    A c = scale_log2;
+    if (!(interior && plain)) {
+        mask_scores<RM, TN, HAS_MASK, 4, 8>(s, p, r0, n0 + lx, interior, blk.mask, blk.bias);
+        c = A(1);
+    }
+    // double: where every row of the warp has a finite m and no score of the tile lies
+    // more than LAZY_LOG2 above it, the tile is summed against m as it stands (no max,
+    // no rescale). Otherwise (a row's first tile; a max that rose further) the P just
+    // written is discarded and the exact step below runs. NaN scores give NaN terms on
+    // both paths.
+    if constexpr (sizeof(A) == 8) {
+        bool finite = true;
+#pragma unroll
+        for (int i = 0; i < RM; ++i) finite &= m[i] - m[i] == A(0);
+        if (__all_sync(0xffffffffu, finite)) {
+            A part[RM];
+            if (!stale_max_terms<PP>(s, m, part, c, p_w, lx, ly, exp2_row, between)) {
+                row_sum(part);
+#pragma unroll
+                for (int i = 0; i < RM; ++i) l[i] += part[i];
+                __syncwarp();
+                return;
+            }
+        }
+    }
+    A alpha[RM];
+    // rows whose max stayed put keep their acc as it is (alpha 1): most tiles of a row
+    if (update_row_stats<RM, TN, PP>(s, m, l, alpha, c, p_w, lx, ly, exp2_row, between))
+        rescale_rows(acc, alpha);
+    __syncwarp();  // the warp's P is in shared memory
+}
+
+// The lockstep loop with 16-byte copies: V's copy (tile t) is spread over the first half of
+// Q K^T, one row step every V_EVERY contraction steps, so that it issues between the FMAs
+// and lands by the end of Q K^T; the second barrier then comes before the softmax (K (t) is
+// free once every warp has its scores), and K's copy (tile t + 1) is spread over the
+// softmax, a row step every four exp2 per row, where the exp2 chains leave issue slots.
+// Issued in one burst after each barrier, the copies hold every warp for about 1,600
+// cycles a tile (clock64 per phase); spread, the kernel runs 2 % faster. A warp that
+// skips the tile's products issues its row steps at once. QK_STEPS: the contraction steps
+// of Q K^T; k_copy(t), v_copy(t): the RowCopy of key tile t's K and V.
+template <int QK_STEPS, typename Takes, typename ScoresOf, typename Softmax, typename Pv,
+          typename KCopyOf, typename VCopyOf>
+__device__ __forceinline__ void spread_loop(int tiles, const AttnParams& p, const Takes& takes,
+                                            const ScoresOf& scores_of, const Softmax& softmax,
+                                            const Pv& pv, const KCopyOf& k_copy,
+                                            const VCopyOf& v_copy) {
+    using KCopy = decltype(k_copy(0));
+    using VCopy = decltype(v_copy(0));
+    constexpr int V_EVERY = QK_STEPS >= 2 * VCopy::PARTS ? QK_STEPS / (2 * VCopy::PARTS) : 1;
+    for (int t = 0; t < tiles; ++t) {
+        cp_async_wait<0>();  // K (t) has landed ...
+        __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
+        const bool take = takes(t);
+        VCopy vc = v_copy(t);
+        int left = VCopy::PARTS;  // row steps of V still to issue
+        if (take)
+            scores_of(t, [&](int step) {
+                if (step % V_EVERY == 0 && step / V_EVERY < VCopy::PARTS) {
+                    vc.next(p.v_s.row);
+                    --left;
+                }
+            });
+        for (; left > 0; --left) vc.next(p.v_s.row);
+        cp_async_commit();
+        cp_async_wait<0>();  // V (t) has landed ...
+        __syncthreads();     // ... for every thread, and every warp is done with K (t)
+        // K of tile t + 1 (none after the last tile) between the softmax's exp2 chains
+        KCopy kc = k_copy(t + 1);
+        left = t + 1 < tiles ? KCopy::PARTS : 0;
+        if (take)
+            softmax([&](int) {
+                if (left > 0) {
+                    kc.next(p.k_s.row);
+                    --left;
+                }
+            });
+        for (; left > 0; --left) kc.next(p.k_s.row);
+        cp_async_commit();
+        if (take) pv();
+    }
+}
+
+// The lockstep loop with copies issued after the barriers: V (t) once every warp is done
+// with V (t - 1), K (t + 1) once every warp has its scores of K (t).
+template <typename Takes, typename ScoresOf, typename Softmax, typename Pv, typename RequestK,
+          typename RequestV>
+__device__ __forceinline__ void lockstep_loop(int tiles, const Takes& takes,
+                                              const ScoresOf& scores_of, const Softmax& softmax,
+                                              const Pv& pv, const RequestK& request_k,
+                                              const RequestV& request_v) {
+    for (int t = 0; t < tiles; ++t) {
+        cp_async_wait<0>();  // K (t) has landed ...
+        __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
+        request_v(t);
+        cp_async_commit();
+        const bool take = takes(t);
+        if (take) {
+            scores_of(t, NoSteps());
+            softmax(NoSteps());
+        }
+        cp_async_wait<0>();  // V (t) has landed ...
+        __syncthreads();     // ... for every thread, and every warp is done with K (t)
+        if (t + 1 < tiles) request_k(t + 1);
+        cp_async_commit();
+        if (take) pv();
+    }
+}
+
+// The two groups half a tile apart (K in two stages, V in three, one barrier per tile): the
+// early group takes S, the softmax and P V of tile t; the late group the softmax and P V of
+// the tile it holds (t - 1), then S of tile t. held: the tile whose scores a warp holds (-1:
+// none).
+template <typename Takes, typename ScoresOf, typename Softmax, typename Pv, typename RequestK,
+          typename RequestV>
+__device__ __forceinline__ void staggered_loop(int tiles, bool late, const int& held,
+                                               const Takes& takes, const ScoresOf& scores_of,
+                                               const Softmax& softmax, const Pv& pv,
+                                               const RequestK& request_k,
+                                               const RequestV& request_v) {
+    // one pass more than there are tiles: the late group's last softmax and P V
+    for (int t = 0; t <= tiles; ++t) {
+        if (t < tiles) {
+            cp_async_wait<0>();  // tile t has landed ...
+            __syncthreads();     // ... for every thread; every warp is done with K (t - 1)
+                                 // and V (t - 2), whose stages tile t + 1 takes
+            if (t + 1 < tiles) {
+                request_k(t + 1);
+                request_v(t + 1);
+            }
+            cp_async_commit();
+        }
+        const bool take = takes(t);
+        if (take && !late) scores_of(t, NoSteps());
+        if (held >= 0) {
+            softmax(NoSteps());
+            pv();
+        }
+        if (take && late) scores_of(t, NoSteps());
+    }
+}
+
+}  // namespace
+
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
           int BLOCK_N, bool ALIGNED, bool LOCKSTEP>
 __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const AttnParams p) {
@@ -403,13 +703,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     const A* q_w = q_s + (warp * WARP_M + ly) * QP;
     A* p_w = p_s + warp * WARP_M * PP;
     A m[RM], l[RM], acc[RM][TV];
-#pragma unroll
-    for (int i = 0; i < RM; ++i) {
-        m[i] = neg_inf<A>();
-        l[i] = A(0);
-#pragma unroll
-        for (int c = 0; c < TV; ++c) acc[i][c] = A(0);
-    }
+    clear_row_state(m, l, acc);
     // exp2 of the softmax: float exp2f; double exp2_lanes (common.cuh), 2^(j/32) per lane
     const A lane_fraction = sizeof(A) == 8 ? A(EXP2_FRACTIONS[lane]) : A(0);
     auto exp2_row = [&](A x) -> A {
@@ -424,112 +718,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
     // s = Q K^T for key tile t: rows ly + 4 i, keys lx + 8 j; the contraction unrolled,
     // between(step) at the head of each step
     auto scores_of = [&](int t, const auto& between) {
-#pragma unroll
-        for (int i = 0; i < RM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) s[i][j] = A(0);
+        clear_tile(s);
         scores_strided<RM, TN, HEAD_DIM, PAD, 4, 8, HEAD_DIM / VEC>(
             s, q_w, k_s + t % KS * K_ELEMS + lx * QP, 0, 0, between);
         held = t;
     };
-    // the held tile's softmax: row state m, l; P into the warp's tile; between(k) before
-    // every fourth exp2 of a row, k counting them (eight times a path for 64-key tiles)
-    auto softmax = [&](const auto& between) {
-        const long long n0 = n_lo + (long long)held * BLOCK_N;
-        const bool interior = !HAS_MASK && tile_is_interior(p, w0, WARP_M, n0, BLOCK_N);
-        // an interior tile without softcap or bias keeps its raw dot products: the scale
-        // goes into the max and into the exp2 argument, fma(s, scale, -m)
-        A c = scale_log2;
-        if (!(interior && plain)) {
-            mask_scores<RM, TN, HAS_MASK, 4, 8>(s, p, r0, n0 + lx, interior, blk.mask, blk.bias);
-            c = A(1);
-        }
-        // double: where every row of the warp has a finite m and no score of the tile lies
-        // more than LAZY_LOG2 above it, the tile is summed against m as it stands (no max,
-        // no rescale). Otherwise (a row's first tile; a max that rose further) the P just
-        // written is discarded and the exact step below runs. NaN scores give NaN terms on
-        // both paths.
-        if constexpr (sizeof(A) == 8) {
-            bool finite = true;
-#pragma unroll
-            for (int i = 0; i < RM; ++i) finite &= m[i] - m[i] == A(0);
-            if (__all_sync(0xffffffffu, finite)) {
-                A part[RM];
-                bool over = false;
-#pragma unroll
-                for (int i = 0; i < RM; ++i) {
-                    part[i] = A(0);
-#pragma unroll
-                    for (int j = 0; j < TN; ++j) {
-                        if (j % 4 == 0) between((i * TN + j) / 4);
-                        const A x = fma(s[i][j], c, -m[i]);
-                        over |= x > A(LAZY_LOG2);
-                        const A pij = exp2_row(x);
-                        part[i] += pij;
-                        p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;
-                    }
-                }
-                if (!__any_sync(0xffffffffu, over)) {
-#pragma unroll
-                    for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
-#pragma unroll
-                        for (int i = 0; i < RM; ++i)
-                            part[i] += __shfl_xor_sync(0xffffffffu, part[i], offset);
-#pragma unroll
-                    for (int i = 0; i < RM; ++i) l[i] += part[i];
-                    __syncwarp();
-                    return;
-                }
-            }
-        }
-        // all RM rows at once, so that their reductions and exp2 chains interleave
-        A mx[RM], sum[RM], alpha[RM];
-#pragma unroll
-        for (int i = 0; i < RM; ++i) {
-            mx[i] = s[i][0];
-#pragma unroll
-            for (int j = 1; j < TN; ++j) mx[i] = max_acc(mx[i], s[i][j]);
-        }
-#pragma unroll
-        for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
-#pragma unroll
-            for (int i = 0; i < RM; ++i)
-                mx[i] = max_acc(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
-#pragma unroll
-        for (int i = 0; i < RM; ++i) {
-            const A m_new = max_acc(m[i], mx[i] * c);
-            mx[i] = m_new == neg_inf<A>() ? A(0) : m_new;  // m_use, as update_row_state
-            alpha[i] = exp2_row(m[i] - mx[i]);
-            m[i] = m_new;
-            sum[i] = A(0);
-        }
-#pragma unroll
-        for (int i = 0; i < RM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) {
-                if (j % 4 == 0) between((i * TN + j) / 4);
-                const A pij = exp2_row(fma(s[i][j], c, -mx[i]));
-                sum[i] += pij;
-                p_w[(4 * ly + i) * PP + lx + 8 * j] = pij;  // row ly + 4 i at 4 ly + i
-            }
-#pragma unroll
-        for (int offset = 1; offset <= 8; offset = offset == 1 ? 4 : 2 * offset)
-#pragma unroll
-            for (int i = 0; i < RM; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
-        bool moved = false;
-#pragma unroll
-        for (int i = 0; i < RM; ++i) {
-            l[i] = l[i] * alpha[i] + sum[i];
-            moved |= alpha[i] != A(1);
-        }
-        // rows whose max stayed put keep their acc as it is (alpha 1): most tiles of a row
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int i = 0; i < RM; ++i)
-#pragma unroll
-                for (int c2 = 0; c2 < TV; ++c2) acc[i][c2] *= alpha[i];
-        }
-        __syncwarp();  // the warp's P is in shared memory
+    auto softmax = [&](const auto& between) {  // the held tile's softmax (softmax_tile)
+        softmax_tile<HAS_MASK, WARP_M, BLOCK_N, PP>(s, m, l, acc, p_w, p, blk, w0, r0, n_lo, held,
+                                                    lx, ly, scale_log2, plain, exp2_row, between);
     };
     // acc[i][u VEC + f] += sum_n P[ly + 4 i, n] V[n, (lx + 8 u) VEC + f] (P row 4 ly + i)
     auto pv = [&]() {
@@ -547,121 +743,26 @@ __global__ void __launch_bounds__(THREADS, 1) attention_fwd_portable_warps(const
                (p.window_left < 0 || n0 + BLOCK_N - 1 >= w0 + off - p.window_left);
     };
 
-    // Lockstep with 16-byte copies: V's copy (tile t) is spread over the first half of Q K^T,
-    // one row step every V_EVERY contraction steps, so that it issues between the FMAs and
-    // lands by the end of Q K^T; the second barrier then comes before the softmax (K (t) is
-    // free once every warp has its scores), and K's copy (tile t + 1) is spread over the
-    // softmax, a row step every four exp2 per row, where the exp2 chains leave issue slots.
-    // Issued in one burst after each barrier, the copies hold every warp for about 1,600
-    // cycles a tile (clock64 per phase); spread, the kernel runs 2 % faster. A warp that
-    // skips the tile's products issues its row steps at once.
+    // the copies spread over the phases of the lockstep loop when they are 16-byte row steps
     using KCopy = RowCopy<BLOCK_N, HEAD_DIM, PAD, A>;
     using VCopy = RowCopy<BLOCK_N, HEAD_DIM_V, PAD, A>;
-    constexpr bool SPREAD = LOCKSTEP && ALIGNED && KCopy::FITS && VCopy::FITS;
-    constexpr int QK_STEPS = HEAD_DIM / VEC;
-    constexpr int V_EVERY = QK_STEPS >= 2 * VCopy::PARTS ? QK_STEPS / (2 * VCopy::PARTS) : 1;
-    auto v_copy = [&](int t) {
-        const long long n0 = n_lo + (long long)t * BLOCK_N;
-        return VCopy(v_s + t % VS * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.seqlen_k - n0,
-                     p.head_dim_v);
-    };
-    auto k_copy = [&](int t) {
-        const long long n0 = n_lo + (long long)t * BLOCK_N;
-        return KCopy(k_s + t % KS * K_ELEMS, k + n0 * p.k_s.row, p.k_s.row, p.seqlen_k - n0,
-                     p.head_dim);
-    };
-
-    if constexpr (SPREAD) {
-        for (int t = 0; t < tiles; ++t) {
-            cp_async_wait<0>();  // K (t) has landed ...
-            __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
-            const bool take = takes(t);
-            VCopy vc = v_copy(t);
-            int left = VCopy::PARTS;  // row steps of V still to issue
-            if (take)
-                scores_of(t, [&](int step) {
-                    if (step % V_EVERY == 0 && step / V_EVERY < VCopy::PARTS) {
-                        vc.next(p.v_s.row);
-                        --left;
-                    }
-                });
-            for (; left > 0; --left) vc.next(p.v_s.row);
-            cp_async_commit();
-            cp_async_wait<0>();  // V (t) has landed ...
-            __syncthreads();     // ... for every thread, and every warp is done with K (t)
-            // K of tile t + 1 (none after the last tile) between the softmax's exp2 chains
-            KCopy kc = k_copy(t + 1);
-            left = t + 1 < tiles ? KCopy::PARTS : 0;
-            if (take)
-                softmax([&](int) {
-                    if (left > 0) {
-                        kc.next(p.k_s.row);
-                        --left;
-                    }
-                });
-            for (; left > 0; --left) kc.next(p.k_s.row);
-            cp_async_commit();
-            if (take) pv();
-        }
+    if constexpr (LOCKSTEP && ALIGNED && KCopy::FITS && VCopy::FITS) {
+        auto v_copy = [&](int t) {
+            const long long n0 = n_lo + (long long)t * BLOCK_N;
+            return VCopy(v_s + t % VS * V_ELEMS, v + n0 * p.v_s.row, p.v_s.row, p.seqlen_k - n0,
+                         p.head_dim_v);
+        };
+        auto k_copy = [&](int t) {
+            const long long n0 = n_lo + (long long)t * BLOCK_N;
+            return KCopy(k_s + t % KS * K_ELEMS, k + n0 * p.k_s.row, p.k_s.row, p.seqlen_k - n0,
+                         p.head_dim);
+        };
+        spread_loop<HEAD_DIM / VEC>(tiles, p, takes, scores_of, softmax, pv, k_copy, v_copy);
     } else if constexpr (LOCKSTEP) {
-        for (int t = 0; t < tiles; ++t) {
-            cp_async_wait<0>();  // K (t) has landed ...
-            __syncthreads();     // ... for every thread, and every warp is done with V (t - 1)
-            request_v(t);
-            cp_async_commit();
-            const bool take = takes(t);
-            if (take) {
-                scores_of(t, NoSteps());
-                softmax(NoSteps());
-            }
-            cp_async_wait<0>();  // V (t) has landed ...
-            __syncthreads();     // ... for every thread, and every warp is done with K (t)
-            if (t + 1 < tiles) request_k(t + 1);
-            cp_async_commit();
-            if (take) pv();
-        }
+        lockstep_loop(tiles, takes, scores_of, softmax, pv, request_k, request_v);
     } else {
-        // one pass more than there are tiles: the late group's last softmax and P V
-        for (int t = 0; t <= tiles; ++t) {
-            if (t < tiles) {
-                cp_async_wait<0>();  // tile t has landed ...
-                __syncthreads();     // ... for every thread; every warp is done with K (t - 1)
-                                     // and V (t - 2), whose stages tile t + 1 takes
-                if (t + 1 < tiles) {
-                    request_k(t + 1);
-                    request_v(t + 1);
-                }
-                cp_async_commit();
-            }
-            const bool take = takes(t);
-            if (take && !late) scores_of(t, NoSteps());
-            if (held >= 0) {
-                softmax(NoSteps());
-                pv();
-            }
-            if (take && late) scores_of(t, NoSteps());
-        }
+        staggered_loop(tiles, late, held, takes, scores_of, softmax, pv, request_k, request_v);
     }
     cp_async_wait<0>();  // no copy may outlive the block
-
-    // Normalise and store. A row with no allowed key has l == 0: out 0, lse -inf.
-    T* out = reinterpret_cast<T*>(p.out) + batch_offset(p.out_s, b, p.batch1, p.batch2);
-#pragma unroll
-    for (int i = 0; i < RM; ++i) {
-        const long long r = r0 + 4 * i;
-        if (r >= p.seqlen_q) continue;
-        const A inv_l = l[i] == A(0) ? A(0) : A(1) / l[i];
-#pragma unroll
-        for (int u = 0; u < TV / VEC; ++u)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const long long c = (lx + 8 * u) * VEC + e;
-                if (c < p.head_dim_v)
-                    out[r * p.out_s.row + c * p.out_s.col] = from_acc<T>(acc[i][u * VEC + e] * inv_l);
-            }
-        if (p.lse && lx == 0) {
-            A* lse = reinterpret_cast<A*>(p.lse) + batch_offset(p.lse_s, b, p.batch1, p.batch2);
-            lse[r * p.lse_s.row] = l[i] == A(0) ? neg_inf<A>() : m[i] * A(LN2) + log_acc(l[i]);
-        }
-    }
+    store_rows<T, 0, 4, 8>(acc, m, l, p, b, r0, 0, 0, 0, lx);  // normalise and store
 }

@@ -137,6 +137,16 @@ __device__ __forceinline__ void load_tile_async(A* dst, const A* src, long long 
     }
 }
 
+// x = 0: one thread's accumulator tile (scores, or its part of the output), before the
+// products accumulate into it
+template <int R, int C, typename A>
+__device__ __forceinline__ void clear_tile(A (&x)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) x[i][j] = A(0);
+}
+
 // scores_strided calls `between(step)` at the head of each contraction step; NoSteps does
 // nothing.
 struct NoSteps {

@@ -17,7 +17,8 @@
 //             dQ; it walks the key tiles (BLOCK_N keys, double-buffered): S = Q K^T,
 //             dP = dO V^T, dS in registers, dQ += dS K (K transposed).
 //             Each gradient element is written once by one thread: no atomics, repeated
-//             calls are bit-identical.
+//             calls are bit-identical. With OVERLAP the tile loops are dkdv_overlapped and
+//             dq_overlapped (below), each step a lambda; otherwise the kernels' own loops.
 // Template:   T; G gradient storage (T, or float for a gradient that Python sums over
 //             broadcast axes); BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128,
 //             zero-padded); the tile of the other sequence (BLOCK_M for dK/dV: 32, 64 or
@@ -37,6 +38,168 @@
 using namespace cuattn;
 using namespace cuattn::mma;
 using namespace cuattn::sm90;
+
+namespace {
+
+// S = A_s B_s^T and dP = A_dp B_dp^T (N columns each, over HEAD_DIM and HEAD_DIM_V) issued as
+// one wgmma group: fenced before, committed after; the caller waits
+template <int N, int HEAD_DIM, int HEAD_DIM_V, typename T>
+__device__ __forceinline__ void issue_score_products(float (&s)[N / 8][4], float (&dp)[N / 8][4],
+                                                     unsigned s_a, unsigned s_b, unsigned dp_a,
+                                                     unsigned dp_b) {
+    wgmma_fence();
+    product_ss<N, HEAD_DIM, T>(s, s_a, s_b);
+    product_ss<N, HEAD_DIM_V, T>(dp, dp_a, dp_b);
+    wgmma_commit();
+}
+
+// P^T and dS^T (p_and_ds_tile) of query tile m0 for this warp's 16 keys n0 + 16 warp ..: the
+// tile's lse (log2 units) and delta from stage st of lse_s and delta_s, its mask and bias
+// staged with it (side) or the arrays in place. interior: tile_is_interior, and no mask.
+// The variables that the calling lambda captures come by reference, as it holds them.
+template <bool HAS_MASK, int BLOCK_M, typename BiasT, typename Side>
+__device__ __forceinline__ void keys_p_and_ds(float (&s)[BLOCK_M / 8][4],
+                                              float (&dp)[BLOCK_M / 8][4], const AttnParams& p,
+                                              const ScoreConsts<float>& consts, long long m0,
+                                              const long long& n0, bool interior,
+                                              const Side& side, int st, float* const& lse_s,
+                                              float* const& delta_s, const int& warp,
+                                              const int& lane, const unsigned char* const& mask,
+                                              const BiasT* const& bias) {
+    const float* lse_t = lse_s + st * BLOCK_M;
+    const float* delta_t = delta_s + st * BLOCK_M;
+    const auto stat = [&](int j, int e) {
+        const int col = 8 * j + 2 * (lane % 4) + e % 2;
+        return make_float2(lse_t[col], delta_t[col]);
+    };
+    p_and_ds_tile<HAS_MASK, true, BLOCK_M / 8>(s, dp, p, consts, n0 + warp * 16, m0, lane,
+                                               interior, side, st, m0, n0, mask, bias, stat);
+}
+
+// The overlapped tile loop: tile t + 1's score products are issued before tile t's gradient
+// products, so that each tile's element-wise part (p_and_ds) runs while the tensor cores
+// work; wgmma groups in flight: [scores (t + 1), gradients (t)].
+template <typename IssueScores, typename PAndDs, typename IssueGrads>
+__device__ __forceinline__ void overlapped_tiles(int tiles, const IssueScores& issue_scores,
+                                                 const PAndDs& p_and_ds,
+                                                 const IssueGrads& issue_grads) {
+    if (tiles > 0) {
+        issue_scores(0);
+        wgmma_wait<0>();
+        for (int t = 0; t + 1 < tiles; ++t) {
+            p_and_ds(t);
+            issue_scores(t + 1);
+            issue_grads(t);
+            wgmma_wait<1>();  // S dP (t + 1) done (ptxas follows this count in straight code)
+        }
+        p_and_ds(tiles - 1);
+        issue_grads(tiles - 1);
+        wgmma_wait<0>();
+    }
+}
+
+// The dK/dV kernel's overlapped loop over its query tiles (OVERLAP): tile t + 1's S^T and
+// dP^T are issued before tile t's dV and dK, so that the element-wise part of each tile runs
+// while the tensor cores do the previous tile's gradient products. wgmma groups in flight:
+// [S dP (t + 1), dV dK (t)]. The kernel's variables come by reference, so that the lambdas
+// below capture them as they would in the kernel (and the compiler sees the same code).
+template <typename T, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N,
+          int STAGES, typename BiasT, typename Side, typename RequestQ>
+__device__ __forceinline__ void dkdv_overlapped(
+    float (&dk)[HEAD_DIM / 8][4], float (&dv)[HEAD_DIM_V / 8][4], const AttnParams& p,
+    const ScoreConsts<float>& consts, const Side& side, const RequestQ& request_q,
+    const int& tiles, const long long& m_lo, const long long& n0, const unsigned& k_base,
+    const unsigned& v_base, const unsigned& q_base, const unsigned& do_base,
+    float* const& lse_s, float* const& delta_s, const int& warp, const int& lane,
+    const unsigned char* const& mask, const BiasT* const& bias) {
+    constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];         // S^T, dP^T: keys x queries
+    unsigned p_a[BLOCK_M / 16][4], ds_a[BLOCK_M / 16][4];  // P^T, dS^T: A of dV, dK
+    auto q_tile = [&](int t) { return q_base + (t % STAGES) * Q_ELEMS * 2; };
+    auto do_tile = [&](int t) { return do_base + (t % STAGES) * DO_ELEMS * 2; };
+    // tile t has landed (requested one tile earlier) and every warp is done with tile
+    // t - 2 (its dV dK waited for in p_and_ds): tile t + 1 into that stage, S dP (t)
+    auto issue_scores = [&](int t) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (t + 1 < tiles) request_q(m_lo + (long long)(t + 1) * BLOCK_M, (t + 1) % STAGES);
+        cp_async_commit();
+        wgmma_fence();
+        product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile(t));
+        product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile(t));
+        wgmma_commit();
+    };
+    // S dP (t) done: P^T and dS^T of tile t; once dV dK (t - 1) are done, their fragments
+    auto p_and_ds = [&](int t) {
+        const long long m0 = m_lo + (long long)t * BLOCK_M;
+        keys_p_and_ds<HAS_MASK, BLOCK_M>(
+            s, dp, p, consts, m0, n0, !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N),
+            side, t % STAGES, lse_s, delta_s, warp, lane, mask, bias);
+        wgmma_wait<0>();
+        pack_a<BLOCK_M, T>(p_a, s);
+        pack_a<BLOCK_M, T>(ds_a, dp);
+    };
+    auto issue_grads = [&](int t) {
+        product_ra<HEAD_DIM_V, BLOCK_M, T>(dv, p_a, do_tile(t));
+        product_ra<HEAD_DIM, BLOCK_M, T>(dk, ds_a, q_tile(t));
+        wgmma_commit();
+    };
+    fence_accumulators(dk);
+    fence_accumulators(dv);
+    overlapped_tiles(tiles, issue_scores, p_and_ds, issue_grads);
+}
+
+// The dQ kernel's overlapped loop over its key tiles (OVERLAP), as dkdv_overlapped: key tile
+// t + 1's S and dP are issued before tile t's dQ product; wgmma groups in flight:
+// [S dP (t + 1), dQ (t)]. lse_log2, dl: this lane's two rows' lse (log2 units) and delta.
+template <typename T, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N,
+          int STAGES, typename BiasT, typename Side, typename RequestKV>
+__device__ __forceinline__ void dq_overlapped(
+    float (&dq)[HEAD_DIM / 8][4], const AttnParams& p, const ScoreConsts<float>& consts,
+    const Side& side, const RequestKV& request_kv, const int& tiles, const long long& n_lo,
+    const long long& m0, const unsigned& q_base, const unsigned& do_base,
+    const unsigned& k_base, const unsigned& v_base, const float (&lse_log2)[2],
+    const float (&dl)[2], const int& warp, const int& lane, const unsigned char* const& mask,
+    const BiasT* const& bias) {
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+    unsigned ds_a[BLOCK_N / 16][4];  // dS: A of dQ
+    auto k_tile = [&](int t) { return k_base + (t % STAGES) * K_ELEMS * 2; };
+    auto issue_scores = [&](int t) {  // as in the dK/dV kernel: key tile t + 1 requested
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // Q, dO (first time) and key tile t are in shared memory
+        if (t + 1 < tiles) request_kv(n_lo + (long long)(t + 1) * BLOCK_N, (t + 1) % STAGES);
+        cp_async_commit();
+        wgmma_fence();
+        product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile(t));
+        product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_base + (t % STAGES) * V_ELEMS * 2);
+        wgmma_commit();
+    };
+    auto p_and_ds = [&](int t) {  // S dP (t) done: dS; once dQ (t - 1) is done, its fragments
+        const long long n0 = n_lo + (long long)t * BLOCK_N;
+        const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
+        const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
+        if (side.staged)  // the tiles staged with this key tile, or the arrays in place
+            p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8, BiasT>(
+                s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                side.mask_view(t % STAGES, m0, n0), side.bias_view(t % STAGES, m0, n0), stat);
+        else
+            p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane,
+                                           interior, mask, bias, stat);
+        wgmma_wait<0>();
+        pack_a<BLOCK_N, T>(ds_a, dp);
+    };
+    auto issue_dq = [&](int t) {
+        product_ra<HEAD_DIM, BLOCK_N, T>(dq, ds_a, k_tile(t));
+        wgmma_commit();
+    };
+    fence_accumulators(dq);
+    overlapped_tiles(tiles, issue_scores, p_and_ds, issue_dq);
+}
+
+}  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
           int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP, bool STATS_AHEAD = false>
@@ -123,67 +286,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     const ScoreConsts<float> consts(p);
 
     if constexpr (OVERLAP) {
-        // tile t + 1's S^T and dP^T are issued before tile t's dV and dK, so that the
-        // element-wise part of each tile runs while the tensor cores do the previous tile's
-        // gradient products. wgmma groups in flight: [S dP (t + 1), dV dK (t)].
-        float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];         // S^T, dP^T: keys x queries
-        unsigned p_a[BLOCK_M / 16][4], ds_a[BLOCK_M / 16][4];  // P^T, dS^T: A of dV, dK
-        auto q_tile = [&](int t) { return q_base + (t % STAGES) * Q_ELEMS * 2; };
-        auto do_tile = [&](int t) { return do_base + (t % STAGES) * DO_ELEMS * 2; };
-        // tile t has landed (requested one tile earlier) and every warp is done with tile
-        // t - 2 (its dV dK waited for in p_and_ds): tile t + 1 into that stage, S dP (t)
-        auto issue_scores = [&](int t) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
-            if (t + 1 < tiles) request_q(m_lo + (long long)(t + 1) * BLOCK_M, (t + 1) % STAGES);
-            cp_async_commit();
-            wgmma_fence();
-            product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile(t));
-            product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile(t));
-            wgmma_commit();
-        };
-        // S dP (t) done: P^T and dS^T of tile t; once dV dK (t - 1) are done, their fragments
-        auto p_and_ds = [&](int t) {
-            const long long m0 = m_lo + (long long)t * BLOCK_M;
-            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-            const float* lse_t = lse_s + (t % STAGES) * BLOCK_M;
-            const float* delta_t = delta_s + (t % STAGES) * BLOCK_M;
-            const auto stat = [&](int j, int e) {
-                const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                return make_float2(lse_t[col], delta_t[col]);
-            };
-            if (side.staged)  // the tiles staged with this query tile, or the arrays in place
-                p_and_ds_tile<HAS_MASK, true, BLOCK_M / 8, BiasT>(
-                    s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
-                    side.mask_view(t % STAGES, m0, n0), side.bias_view(t % STAGES, m0, n0), stat);
-            else
-                p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane,
-                                              interior, mask, bias, stat);
-            wgmma_wait<0>();
-            pack_a<BLOCK_M, T>(p_a, s);
-            pack_a<BLOCK_M, T>(ds_a, dp);
-        };
-        auto issue_grads = [&](int t) {
-            product_ra<HEAD_DIM_V, BLOCK_M, T>(dv, p_a, do_tile(t));
-            product_ra<HEAD_DIM, BLOCK_M, T>(dk, ds_a, q_tile(t));
-            wgmma_commit();
-        };
-        fence_accumulators(dk);
-        fence_accumulators(dv);
-        if (tiles > 0) {
-            issue_scores(0);
-            wgmma_wait<0>();
-            for (int t = 0; t + 1 < tiles; ++t) {
-                p_and_ds(t);
-                issue_scores(t + 1);
-                issue_grads(t);
-                wgmma_wait<1>();  // S dP (t + 1) done (ptxas follows this count in straight code)
-            }
-            p_and_ds(tiles - 1);
-            issue_grads(tiles - 1);
-            wgmma_wait<0>();
-        }
+        dkdv_overlapped<T, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES>(
+            dk, dv, p, consts, side, request_q, tiles, m_lo, n0, k_base, v_base, q_base, do_base,
+            lse_s, delta_s, warp, lane, mask, bias);
     } else {
         int stage = 0;
         for (long long m0 = m_lo; m0 < m_hi; m0 += BLOCK_M, stage ^= 1) {
@@ -195,25 +300,12 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
             const unsigned q_tile = q_base + stage * Q_ELEMS * 2;
             const unsigned do_tile = do_base + stage * DO_ELEMS * 2;
             float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // S^T, dP^T: keys x queries
-            wgmma_fence();
-            product_ss<BLOCK_M, HEAD_DIM, T>(s, k_base, q_tile);
-            product_ss<BLOCK_M, HEAD_DIM_V, T>(dp, v_base, do_tile);
-            wgmma_commit();
+            issue_score_products<BLOCK_M, HEAD_DIM, HEAD_DIM_V, T>(s, dp, k_base, q_tile, v_base,
+                                                                   do_tile);
             wgmma_wait<0>();
-            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-            const float* lse_t = lse_s + stage * BLOCK_M;
-            const float* delta_t = delta_s + stage * BLOCK_M;
-            const auto stat = [&](int j, int e) {
-                const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                return make_float2(lse_t[col], delta_t[col]);
-            };
-            if (side.staged)  // the tiles staged with this query tile, or the arrays in place
-                p_and_ds_tile<HAS_MASK, true, BLOCK_M / 8, BiasT>(
-                    s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
-                    side.mask_view(stage, m0, n0), side.bias_view(stage, m0, n0), stat);
-            else
-                p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane,
-                                              interior, mask, bias, stat);
+            keys_p_and_ds<HAS_MASK, BLOCK_M>(
+                s, dp, p, consts, m0, n0, !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N),
+                side, stage, lse_s, delta_s, warp, lane, mask, bias);
             // one product in flight at a time: its A fragments stay live until it completes
             product_rs<HEAD_DIM_V, BLOCK_M, T>(dv, s, do_tile);
             wgmma_commit();
@@ -290,14 +382,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
         cp_async_commit();
     }
 
-    // this lane's two rows (g and g + 8 of the warp's 16)
-    float lse_log2[2], dl[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = m0 + warp * 16 + lane / 4 + 8 * h;
-        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-    }
+    float lse_log2[2], dl[2];  // this lane's two rows
+    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
     float dq[HEAD_DIM / 8][4];
     zero(dq);
     const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
@@ -305,54 +391,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     const ScoreConsts<float> consts(p);
 
     if constexpr (OVERLAP) {
-        // as the dK/dV kernel's overlapped form: key tile t + 1's S and dP are issued before
-        // tile t's dQ product; wgmma groups in flight: [S dP (t + 1), dQ (t)]
-        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        unsigned ds_a[BLOCK_N / 16][4];  // dS: A of dQ
-        auto k_tile = [&](int t) { return k_base + (t % STAGES) * K_ELEMS * 2; };
-        auto issue_scores = [&](int t) {  // as in the dK/dV kernel: key tile t + 1 requested
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();  // Q, dO (first time) and key tile t are in shared memory
-            if (t + 1 < tiles) request_kv(n_lo + (long long)(t + 1) * BLOCK_N, (t + 1) % STAGES);
-            cp_async_commit();
-            wgmma_fence();
-            product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile(t));
-            product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_base + (t % STAGES) * V_ELEMS * 2);
-            wgmma_commit();
-        };
-        auto p_and_ds = [&](int t) {  // S dP (t) done: dS; once dQ (t - 1) is done, its fragments
-            const long long n0 = n_lo + (long long)t * BLOCK_N;
-            const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-            const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
-            if (side.staged)  // the tiles staged with this key tile, or the arrays in place
-                p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8, BiasT>(
-                    s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
-                    side.mask_view(t % STAGES, m0, n0), side.bias_view(t % STAGES, m0, n0), stat);
-            else
-                p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane,
-                                               interior, mask, bias, stat);
-            wgmma_wait<0>();
-            pack_a<BLOCK_N, T>(ds_a, dp);
-        };
-        auto issue_dq = [&](int t) {
-            product_ra<HEAD_DIM, BLOCK_N, T>(dq, ds_a, k_tile(t));
-            wgmma_commit();
-        };
-        fence_accumulators(dq);
-        if (tiles > 0) {
-            issue_scores(0);
-            wgmma_wait<0>();
-            for (int t = 0; t + 1 < tiles; ++t) {
-                p_and_ds(t);
-                issue_scores(t + 1);
-                issue_dq(t);
-                wgmma_wait<1>();  // S dP (t + 1) done (ptxas follows this count in straight code)
-            }
-            p_and_ds(tiles - 1);
-            issue_dq(tiles - 1);
-            wgmma_wait<0>();
-        }
+        dq_overlapped<T, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES>(
+            dq, p, consts, side, request_kv, tiles, n_lo, m0, q_base, do_base, k_base, v_base,
+            lse_log2, dl, warp, lane, mask, bias);
     } else {
         int stage = 0;
         for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -364,20 +405,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
             const unsigned k_tile = k_base + stage * K_ELEMS * 2;
             const unsigned v_tile = v_base + stage * V_ELEMS * 2;
             float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-            wgmma_fence();
-            product_ss<BLOCK_N, HEAD_DIM, T>(s, q_base, k_tile);
-            product_ss<BLOCK_N, HEAD_DIM_V, T>(dp, do_base, v_tile);
-            wgmma_commit();
+            issue_score_products<BLOCK_N, HEAD_DIM, HEAD_DIM_V, T>(s, dp, q_base, k_tile, do_base,
+                                                                   v_tile);
             wgmma_wait<0>();
             const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
             const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
-            if (side.staged)  // the tiles staged with this key tile, or the arrays in place
-                p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8, BiasT>(
-                    s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
-                    side.mask_view(stage, m0, n0), side.bias_view(stage, m0, n0), stat);
-            else
-                p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane,
-                                               interior, mask, bias, stat);
+            // the mask and bias tiles staged with this key tile, or the arrays in place
+            p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8>(s, dp, p, consts, m0 + warp * 16, n0,
+                                                        lane, interior, side, stage, m0, n0, mask,
+                                                        bias, stat);
             product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
             wgmma_commit();
             wgmma_wait<0>();

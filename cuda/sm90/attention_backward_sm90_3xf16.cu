@@ -320,6 +320,36 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     }
 }
 
+// The dQ kernel's loop over its key tiles, as in the dK/dV kernel: per tile, S and dP, then
+// dS and this tile's dQ product into fresh accumulators, added to dq once done; the next
+// tile is prepared before that wait with OVERLAP, after it otherwise.
+template <bool OVERLAP, int BLOCK_N, int D8, typename Prepare, typename Scores, typename Grads>
+__device__ __forceinline__ void dq_tiles(float (&dq)[D8][4], int tiles, const Prepare& prepare,
+                                         const Scores& scores, const Grads& grads) {
+    using Acc = float[BLOCK_N / 8][4];       // S, dP: queries x keys
+    using Frag = unsigned[BLOCK_N / 16][4];  // dS as A fragments (hi or lo)
+    if (tiles > 0) prepare(0);
+    for (int t = 0; t < tiles; ++t) {
+        Acc s, dp;
+        scores(t, s, dp);
+        Frag ds_hi, ds_lo;
+        float dq_t[D8][4];  // this tile's dQ
+        grads(t, s, dp, ds_hi, ds_lo, dq_t);
+        if constexpr (!OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
+        if (t + 1 < tiles) {
+            cp_async_wait<0>();
+            prepare(t + 1);
+        }
+        if constexpr (OVERLAP) {
+            wgmma_wait<0>();
+            add_into(dq, dq_t);
+        }
+    }
+}
+
 }  // namespace
 
 // The largest magnitudes of q, k, v, dout and out per batch entry (magnitudes_of_rows;
@@ -411,14 +441,8 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
                                                               sc.dout);
     cp_async_wait<0>();
 
-    // this lane's two rows (g and g + 8 of the warp's 16)
-    float lse_log2[2], dl[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long r = m_own + warp * 16 + lane / 4 + 8 * h;
-        lse_log2[h] = r < p.seqlen_q ? lse[r * p.lse_s.row] * float(LOG2E) : neg_inf<float>();
-        dl[h] = r < p.seqlen_q ? delta[r * bp.delta_s.row] : 0.f;
-    }
+    float lse_log2[2], dl[2];  // this lane's two rows
+    load_row_stats(lse_log2, dl, lse, delta, bp, m_own, warp, lane);
     float dq[HEAD_DIM / 8][4];
     zero(dq);
     const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS);  // this warpgroup's rows
@@ -471,26 +495,7 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
         wgmma_commit();
     };
 
-    if (tiles > 0) prepare(0);
-    for (int t = 0; t < tiles; ++t) {  // as in the dK/dV kernel
-        Acc s, dp;
-        scores(t, s, dp);
-        Frag ds_hi, ds_lo;
-        float dq_t[HEAD_DIM / 8][4];  // this tile's dQ
-        grads(t, s, dp, ds_hi, ds_lo, dq_t);
-        if constexpr (!OVERLAP) {
-            wgmma_wait<0>();
-            add_into(dq, dq_t);
-        }
-        if (t + 1 < tiles) {
-            cp_async_wait<0>();
-            prepare(t + 1);
-        }
-        if constexpr (OVERLAP) {
-            wgmma_wait<0>();
-            add_into(dq, dq_t);
-        }
-    }
+    dq_tiles<OVERLAP, BLOCK_N>(dq, tiles, prepare, scores, grads);
     cp_async_wait<0>();
 
     float* dq_out = reinterpret_cast<float*>(bp.dq) + batch_offset(bp.dq_s, b, p.batch1, p.batch2);

@@ -269,6 +269,107 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
     }
 }
 
+namespace {
+
+// The piped kernel's producer (one lane): key tile t's K and V^T images (tf32_image_k,
+// tf32_image_vt) into slot t % STAGES by the copy engine, once the consumers have released
+// the tile that the slot held (its `empty` barrier); the slot's `full` barrier counts the bytes.
+template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void produce_tiles(float* slots, unsigned full, unsigned empty,
+                                              int n_lo, int n_hi, const float* k,
+                                              const float* v) {
+    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, VT_ELEMS = HEAD_DIM_V * BLOCK_N;
+    constexpr unsigned K_BYTES = K_ELEMS * 4, SLOT_BYTES = (K_ELEMS + VT_ELEMS) * 4;
+    int t = 0;
+    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
+        const int s = t % STAGES;
+        if (t >= STAGES) mbar_wait(empty + 8 * s, (t / STAGES - 1) & 1);
+        mbar_expect_tx(full + 8 * s, SLOT_BYTES);
+        const unsigned dst = smem_addr(slots) + s * SLOT_BYTES;
+        const long long tile = n0 / BLOCK_N;
+        bulk_copy(dst, k + tile * K_ELEMS, K_BYTES, full + 8 * s);
+        bulk_copy(dst + K_BYTES, v + tile * VT_ELEMS, VT_ELEMS * 4, full + 8 * s);
+    }
+}
+
+// The consumers' Q: each warpgroup's 64 rows (from query row m0; q at that row) into
+// q_s, rounded to TF32 in place, visible to the tensor cores and to every consumer.
+template <int NUM_WG, int HEAD_DIM, bool ALIGNED>
+__device__ __forceinline__ void load_q_tf32(float* q_s, const float* q, const AttnParams& p,
+                                            long long m0) {
+    constexpr int CONSUMERS = NUM_WG * 128, Q_ELEMS = 64 * HEAD_DIM;
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        load_tile<64, HEAD_DIM, CONSUMERS, ALIGNED>(
+            q_s + w * Q_ELEMS, q + w * 64 * p.q_s.row, p.q_s.row, p.q_s.col,
+            p.seqlen_q - m0 - w * 64, p.head_dim, Sw128<64, 4>());
+    cp_async_commit();
+    cp_async_wait<0>();
+#pragma unroll
+    for (int w = 0; w < NUM_WG; ++w)
+        round_own_tf32<64, HEAD_DIM, CONSUMERS, ALIGNED, false, Q_ELEMS>(q_s + w * Q_ELEMS,
+                                                                        Sw128<64, 4>());
+    fence_proxy_async();     // Q visible to the tensor cores ...
+    bar_sync(NUM_WG + 1, CONSUMERS);  // ... and to every consumer
+}
+
+// This warp's 16 rows of its warpgroup's Q tile (qw: TF32 in the 128-byte swizzle) as TF32
+// A fragments: rows g, g + 8 and k = t, t + 4 of every 8 columns.
+template <int K8>
+__device__ __forceinline__ void q_fragments(unsigned (&q_frag)[K8][4], const float* qw,
+                                            int warp, int lane) {
+    const int r = 16 * (warp % 4) + lane / 4, c = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < K8; ++kk) {
+        q_frag[kk][0] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c)]);
+        q_frag[kk][1] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c)]);
+        q_frag[kk][2] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c + 4)]);
+        q_frag[kk][3] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c + 4)]);
+    }
+}
+
+// A consumer warpgroup's turns over the key tiles: S(0); then P V(t - 1) with S(t); then
+// the last P V; it issues in its turn of the ring of named barriers (my_turn, then
+// next_turn granted) and runs each tile's softmax while the others issue. Every wgmma is
+// issued outside a branch (ptxas serializes the ones it finds in divergent paths).
+template <int NUM_WG, int STAGES, typename IssueS, typename IssuePv, typename Release,
+          typename Softmax>
+__device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_turn,
+                                               int next_turn, int wg, const IssueS& issue_s,
+                                               const IssuePv& issue_pv, const Release& release,
+                                               const Softmax& softmax) {
+    if (tiles > 0) {
+        mbar_wait(full, 0);
+        bar_sync(my_turn, 256);
+        issue_s(0);
+        wgmma_commit();
+        bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        softmax(0);
+        for (int t = 1; t < tiles; ++t) {
+            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
+            bar_sync(my_turn, 256);
+            issue_pv(t - 1);
+            wgmma_commit();
+            issue_s(t);
+            wgmma_commit();
+            bar_arrive(next_turn, 256);
+            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
+            release(t - 1);
+            wgmma_wait<0>();
+            softmax(t);
+        }
+        bar_sync(my_turn, 256);
+        issue_pv(tiles - 1);
+        wgmma_commit();
+        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        release(tiles - 1);
+    }
+}
+
+}  // namespace
+
 // The kernel. Block: NUM_WG (2 or 3) consumer warpgroups (64 query rows each: the products
 // and the softmax) and one producer warpgroup, whose first lane hands tiles of K and V^T to
 // the copy engine into STAGES slots: slot s is filled when its `empty` barrier says every
@@ -292,7 +393,7 @@ template <typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK
           int STAGES, bool QREG, bool ALIGNED>
 __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     attention_fwd_sm90_tf32_piped(const AttnParams p) {
-    constexpr int CONSUMERS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
+    constexpr int BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh");
@@ -331,35 +432,14 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
 
     if (wg == NUM_WG) {  // the producer warpgroup: its registers go to the consumers
         setmaxnreg_dec<24>();
-        if (warp == NUM_WG * 4 && lane == 0) {
-            int t = 0;
-            for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
-                const int s = t % STAGES;
-                if (t >= STAGES) mbar_wait(empty + 8 * s, (t / STAGES - 1) & 1);
-                mbar_expect_tx(full + 8 * s, SLOT_BYTES);
-                const unsigned dst = smem_addr(slots) + s * SLOT_BYTES;
-                const long long tile = n0 / BLOCK_N;
-                bulk_copy(dst, blk.k + tile * K_ELEMS, K_BYTES, full + 8 * s);
-                bulk_copy(dst + K_BYTES, blk.v + tile * VT_ELEMS, VT_ELEMS * 4, full + 8 * s);
-            }
-        }
+        if (warp == NUM_WG * 4 && lane == 0)
+            produce_tiles<HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES>(slots, full, empty, n_lo, n_hi,
+                                                                blk.k, blk.v);
         return;
     }
 
     // the consumers: Q, rounded to TF32 in place while the first tiles arrive
-#pragma unroll
-    for (int w = 0; w < NUM_WG; ++w)
-        load_tile<64, HEAD_DIM, CONSUMERS, ALIGNED>(
-            q_s + w * Q_ELEMS, blk.q + w * 64 * p.q_s.row, p.q_s.row, p.q_s.col,
-            p.seqlen_q - m0 - w * 64, p.head_dim, Sw128<64, 4>());
-    cp_async_commit();
-    cp_async_wait<0>();
-#pragma unroll
-    for (int w = 0; w < NUM_WG; ++w)
-        round_own_tf32<64, HEAD_DIM, CONSUMERS, ALIGNED, false, Q_ELEMS>(q_s + w * Q_ELEMS,
-                                                                        Sw128<64, 4>());
-    fence_proxy_async();     // Q visible to the tensor cores ...
-    bar_sync(NUM_WG + 1, CONSUMERS);  // ... and to every consumer
+    load_q_tf32<NUM_WG, HEAD_DIM, ALIGNED>(q_s, blk.q, p, m0);
     setmaxnreg_inc<CONSUMER_REGS>();
 
     float acc[DV_TILES][4], m[2], l[2];
@@ -374,20 +454,10 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     const int my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NUM_WG;
     if (wg == NUM_WG - 1 && tiles > 0) bar_arrive(1, 256);
 
-    // QREG: this warp's 16 rows of Q as TF32 A fragments (rows g, g + 8; k = t, t + 4 of
-    // every 8 columns), so that S reads only K from shared memory
+    // QREG: this warp's 16 rows of Q as TF32 A fragments, so that S reads only K from shared
+    // memory
     unsigned q_frag[QREG ? HEAD_DIM / 8 : 1][4];
-    if constexpr (QREG) {
-        const float* qw = q_s + wg * Q_ELEMS;
-        const int r = 16 * (warp % 4) + lane / 4, c = lane % 4;
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 8; ++kk) {
-            q_frag[kk][0] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c)]);
-            q_frag[kk][1] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c)]);
-            q_frag[kk][2] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c + 4)]);
-            q_frag[kk][3] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c + 4)]);
-        }
-    }
+    if constexpr (QREG) q_fragments(q_frag, q_s + wg * Q_ELEMS, warp, lane);
     unsigned p_frag[BLOCK_N / 8][4];  // P of the previous tile (the A operand of its P V)
     float sc[BLOCK_N / 8][4];
     auto issue_s = [&](int t) {
@@ -415,36 +485,8 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
         tf32_fragments<BLOCK_N>(p_frag, sc);
     };
-    if (tiles > 0) {
-        // turns: S(0); then P V(t - 1) with S(t); then the last P V. Every wgmma is issued
-        // outside a branch (ptxas serializes the ones it finds in divergent paths)
-        mbar_wait(full, 0);
-        bar_sync(my_turn, 256);
-        issue_s(0);
-        wgmma_commit();
-        bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        softmax(0);
-        for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
-            bar_sync(my_turn, 256);
-            issue_pv(t - 1);
-            wgmma_commit();
-            issue_s(t);
-            wgmma_commit();
-            bar_arrive(next_turn, 256);
-            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
-            release(t - 1);
-            wgmma_wait<0>();
-            softmax(t);
-        }
-        bar_sync(my_turn, 256);
-        issue_pv(tiles - 1);
-        wgmma_commit();
-        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        release(tiles - 1);
-    }
+    pingpong_tiles<NUM_WG, STAGES>(tiles, full, my_turn, next_turn, wg, issue_s, issue_pv,
+                                   release, softmax);
 
     store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

@@ -13,9 +13,9 @@
 //   stacked_product_ss  the split score product from a stacked [B_hi; B_lo] (split16.cuh)
 //   product_rs  acc += X Z, X from float registers (rounded to T), Z read N-contiguous
 //   pack_a, product_ra  the same in two steps: X's A fragments made once, then the product
-//   zero, request_query_tile  accumulators cleared; a dK/dV kernel's query-tile stage (the
-//               backwards; request_query_operands and QueryRowStats: the same in two parts,
-//               lse and delta a tile ahead through registers)
+//   request_query_tile  a dK/dV kernel's query-tile stage (the backwards;
+//               request_query_operands and QueryRowStats: the same in two parts, lse and
+//               delta a tile ahead through registers)
 //   transpose_v  a staged float tile transposed (V^T) and rounded to TF32 for the TF32
 //               register-A product
 //   product_rs_tf32  acc (+)= A B^T for TF32: A fragments in registers (tf32_fragments
@@ -249,15 +249,6 @@ __device__ __forceinline__ void tf32_fragments(unsigned (&a)[ROWS / 8][4],
         a[kk][2] = mma::to_tf32(x[kk][1]);  // (row g, k = t + 4): column 2t + 1
         a[kk][3] = mma::to_tf32(x[kk][3]);  // (row g + 8, k = t + 4)
     }
-}
-
-// accumulators cleared
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
-#pragma unroll
-    for (int d = 0; d < N; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[d][e] = 0.f;
 }
 
 // Q and dO of the query tile at row m0 into one stage of a dK/dV kernel of the backwards:
