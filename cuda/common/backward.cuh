@@ -2,9 +2,10 @@
 // families (attention_backward_portable.cu, attention_backward_mma.cu,
 // attention_backward_sm90.cu): rebuilding P and dS from a raw score, the forward's lse and
 // delta (p_and_ds per element; p_and_ds_tile per m16n8 accumulator tile, the sm90 kernels);
-// the lse and delta loads (stage_row_stats, load_row_stats) and the gradient-tile store of
-// the tensor-core kernels; and
-// the first kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
+// a block's input arrays (BackwardInputs, DkdvInputs, DqInputs) and the tiles of the band
+// it walks (band_queries, band_keys); the lse and delta loads (stage_row_stats,
+// load_row_stats) and the gradient-tile store of the tensor-core kernels; and the first
+// kernel of every family, attention_bwd_delta (grid: num_row_blocks = batch x Sq
 // rows, one warp per row).
 #pragma once
 
@@ -15,7 +16,7 @@ namespace cuattn {
 // The arrays of batch entry b that a backward block reads, at their first rows: q, k, v,
 // dout (storage type T), lse and delta (accumulator type A), mask and bias (null when
 // absent). The dK/dV kernels add their first key row to k and v, the dQ kernels their
-// first query row to q and dout.
+// first query row to q and dout (DkdvInputs, DqInputs below).
 template <typename T, typename A, typename BiasT> struct BackwardInputs {
     const T *q, *k, *v, *dout;
     const A *lse, *delta;
@@ -35,6 +36,42 @@ template <typename T, typename A, typename BiasT> struct BackwardInputs {
                             batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr;
     }
 };
+
+// The inputs of a dK/dV block whose first key is n0: BackwardInputs with k and v from key n0.
+template <typename T, typename A, typename BiasT>
+struct DkdvInputs : BackwardInputs<T, A, BiasT> {
+    __device__ __forceinline__ DkdvInputs(const AttnBwdParams& bp, long long b, long long n0)
+        : BackwardInputs<T, A, BiasT>(bp, b) {
+        this->k += n0 * bp.f.k_s.row;
+        this->v += n0 * bp.f.v_s.row;
+    }
+};
+
+// The inputs of a dQ block whose first query row is m0: BackwardInputs with q and dout from
+// row m0.
+template <typename T, typename A, typename BiasT>
+struct DqInputs : BackwardInputs<T, A, BiasT> {
+    __device__ __forceinline__ DqInputs(const AttnBwdParams& bp, long long b, long long m0)
+        : BackwardInputs<T, A, BiasT>(bp, b) {
+        this->q += m0 * bp.f.q_s.row;
+        this->dout += m0 * bp.dout_s.row;
+    }
+};
+
+// The query rows [lo, hi) (whole BLOCK_M tiles) whose band reaches the BLOCK_N keys from n0.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ Range band_queries(const AttnParams& p, long long n0) {
+    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
+    return query_band(p, n0, n_last, BLOCK_M);
+}
+
+// The keys [lo, hi) (whole BLOCK_N tiles) that the band reaches from the BLOCK_M query rows
+// from m0.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ Range band_keys(const AttnParams& p, long long m0) {
+    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+    return key_band(p, m0, m_last, BLOCK_N);
+}
 
 // Constants of the score transform, in log2 units.
 template <typename A> struct ScoreConsts {

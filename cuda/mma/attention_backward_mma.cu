@@ -70,34 +70,27 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const int c0 = (int)col_tile * COLS;
     const bool has_dk = c0 < HEAD_DIM, has_dv = c0 < HEAD_DIM_V;  // block-uniform
 
-    const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const T *q = in.q, *k = in.k + n0 * p.k_s.row;
-    const T *v = in.v + n0 * p.v_s.row, *dout = in.dout;
+    const DkdvInputs<T, float, BiasT> in(bp, b, n0);  // batch entry b from key n0 (backward.cuh)
     G* dk_out = reinterpret_cast<G*>(bp.dk) + batch_offset(bp.dk_s, b, p.batch1, p.batch2);
     G* dv_out = reinterpret_cast<G*>(bp.dv) + batch_offset(bp.dv_s, b, p.batch1, p.batch2);
-    const float *lse = in.lse, *delta = in.delta;
-    const unsigned char* mask = in.mask;
-    const BiasT* bias = in.bias;
-
-    // query rows whose band reaches keys n0 .. n_last
-    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const Range queries = band_queries<BLOCK_M, BLOCK_N>(p, n0);  // the band's query tiles
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
-    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                   p.head_dim, Swizzled<HEAD_DIM>());
-    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, v, p.v_s.row, p.v_s.col,
+    load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, in.k, p.k_s.row, p.k_s.col,
+                                                   p.seqlen_k - n0, p.head_dim,
+                                                   Swizzled<HEAD_DIM>());
+    load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s, in.v, p.v_s.row, p.v_s.col,
                                                      p.seqlen_k - n0, p.head_dim_v,
                                                      Swizzled<HEAD_DIM_V>());
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
     auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, in.q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Swizzled<HEAD_DIM>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            do_s + st * DO_ELEMS, in.dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Swizzled<HEAD_DIM_V>());
-        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, lse, delta, bp, m0);
+        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, in.lse, in.delta, bp, m0);
     };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
@@ -137,7 +130,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                 const int col = 8 * j + 2 * (lane % 4) + e % 2;  // query within the tile
                 p_and_ds<HAS_MASK>(s[0][j][e], dp[0][j][e], p, consts, m0 + col,
                                    n0 + warp * 16 + lane / 4 + 8 * (e / 2), lse_t[col],
-                                   delta_t[col], interior, mask, bias);
+                                   delta_t[col], interior, in.mask, in.bias);
             }
         if (has_dv)
             accumulate_cols<BLOCK_M, HEAD_DIM_V, DV_COLS, 1, T>(
@@ -186,32 +179,26 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const long long m0 = m_block * BLOCK_M;
     const int c0 = (int)col_tile * DQ_COLS;
 
-    const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const T *q = in.q + m0 * p.q_s.row, *k = in.k;
-    const T *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
-    const float *lse = in.lse, *delta = in.delta;
-    const unsigned char* mask = in.mask;
-    const BiasT* bias = in.bias;
-
-    // key tiles that the band reaches from rows m0 .. m_last
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const DqInputs<T, float, BiasT> in(bp, b, m0);  // batch entry b from row m0 (backward.cuh)
+    const Range keys = band_keys<BLOCK_M, BLOCK_N>(p, m0);  // the band's key tiles
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(), Swizzled<HEAD_DIM_V>());
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, in.k, in.v, n0, p, Swizzled<HEAD_DIM>(),
+            Swizzled<HEAD_DIM_V>());
     };
-    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                   p.head_dim, Swizzled<HEAD_DIM>());
-    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, in.q, p.q_s.row, p.q_s.col,
+                                                   p.seqlen_q - m0, p.head_dim,
+                                                   Swizzled<HEAD_DIM>());
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, in.dout, bp.dout_s.row, bp.dout_s.col,
                                                      p.seqlen_q - m0, p.head_dim_v,
                                                      Swizzled<HEAD_DIM_V>());
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
 
     float lse_log2[2], dl[2];  // this lane's two rows
-    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
+    load_row_stats(lse_log2, dl, in.lse, in.delta, bp, m0, warp, lane);
     float dq[1][DQ_COLS / 8][4];
     zero(dq[0]);
 
@@ -241,7 +228,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                 p_and_ds<HAS_MASK>(s[0][j][e], dp[0][j][e], p, consts,
                                    m0 + warp * 16 + lane / 4 + 8 * (e / 2),
                                    n0 + 8 * j + 2 * (lane % 4) + e % 2, lse_log2[e / 2],
-                                   dl[e / 2], interior, mask, bias);
+                                   dl[e / 2], interior, in.mask, in.bias);
         accumulate_cols<BLOCK_N, HEAD_DIM, DQ_COLS, 1, T>(dq, dp, k_base + (stage * K_ELEMS + c0) * 2,
                                                           k_t);
         __syncthreads();  // this stage is consumed before the next iteration refills it

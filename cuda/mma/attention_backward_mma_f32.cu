@@ -175,27 +175,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                          p.window_left >= 0 || p.window_right >= 0, false);
     const long long n0 = blk.row_block * BLOCK_N, b = blk.b;
 
-    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const float *q = in.q, *k = in.k + n0 * p.k_s.row;
-    const float *v = in.v + n0 * p.v_s.row, *dout = in.dout;
-    const float *lse = in.lse, *delta = in.delta;
-    const unsigned char* mask = in.mask;
-    const BiasT* bias = in.bias;
-
-    // query rows whose band reaches keys n0 .. n_last
-    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const DkdvInputs<float, float, BiasT> in(bp, b, n0);  // entry b from key n0 (backward.cuh)
+    const Range queries = band_queries<BLOCK_M, BLOCK_N>(p, n0);  // the band's query tiles
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
     // Q, dO, lse and delta of query tile m0 into stage `st` (lse and delta by plain loads)
     auto request_q = [&](long long m0, int st) {
-        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, q + m0 * p.q_s.row,
+        load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s + st * Q_ELEMS, in.q + m0 * p.q_s.row,
                                                        p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                        p.head_dim, Pitched<QP>());
         load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(
-            do_s + st * DO_ELEMS, dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
+            do_s + st * DO_ELEMS, in.dout + m0 * bp.dout_s.row, bp.dout_s.row, bp.dout_s.col,
             p.seqlen_q - m0, p.head_dim_v, Pitched<DOP>());
-        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, lse, delta, bp, m0);
+        stage_row_stats<BLOCK_M, THREADS>(lse_s, delta_s, st, in.lse, in.delta, bp, m0);
     };
     // PRE: round the Q and dO chunks this thread copied into stage `st`, once they have
     // landed (the barrier after makes them visible)
@@ -210,9 +202,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     };
     if (m_lo < m_hi) request_q(m_lo, 0);
     cp_async_commit();
-    load_fragments<BLOCK_N, HEAD_DIM, THREADS>(k_f, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
+    load_fragments<BLOCK_N, HEAD_DIM, THREADS>(k_f, in.k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
                                                p.head_dim);
-    load_fragments<BLOCK_N, HEAD_DIM_V, THREADS>(v_f, v, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
+    load_fragments<BLOCK_N, HEAD_DIM_V, THREADS>(v_f, in.v, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
                                                  p.head_dim_v);
     if (m_lo < m_hi) preround_q(0);
 
@@ -241,7 +233,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         const float* lse_t = lse_s + stage * BLOCK_M;
         const float* delta_t = delta_s + stage * BLOCK_M;
         p_and_ds_tile<HAS_MASK, true>(s, dp, p, consts, n0 + warp * 16, m0, lane, interior,
-                                      mask, bias, [&](int j, int e) {
+                                      in.mask, in.bias, [&](int j, int e) {
                                           const int col = 8 * j + 2 * t + e % 2;
                                           return make_float2(lse_t[col], delta_t[col]);
                                       });
@@ -286,21 +278,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                                          p.window_left >= 0 || p.window_right >= 0, true);
     const long long m0 = blk.row_block * BLOCK_M, b = blk.b;
 
-    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const float *q = in.q + m0 * p.q_s.row, *k = in.k;
-    const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
-    const float *lse = in.lse, *delta = in.delta;
-    const unsigned char* mask = in.mask;
-    const BiasT* bias = in.bias;
-
-    // key tiles that the band reaches from rows m0 .. m_last
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const DqInputs<float, float, BiasT> in(bp, b, m0);  // batch entry b from row m0 (backward.cuh)
+    const Range keys = band_keys<BLOCK_M, BLOCK_N>(p, m0);  // the band's key tiles
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Pitched<KP>(), Pitched<VP>());
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, in.k, in.v, n0, p, Pitched<KP>(),
+            Pitched<VP>());
     };
     // PRE: round the K and V chunks this thread copied into stage `st`
     auto preround_kv = [&](int st) {
@@ -314,14 +299,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     };
     if (n_lo < n_hi) request_kv(n_lo, 0);
     cp_async_commit();
-    load_fragments<BLOCK_M, HEAD_DIM, THREADS>(q_f, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
+    load_fragments<BLOCK_M, HEAD_DIM, THREADS>(q_f, in.q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                p.head_dim);
-    load_fragments<BLOCK_M, HEAD_DIM_V, THREADS>(do_f, dout, bp.dout_s.row, bp.dout_s.col,
+    load_fragments<BLOCK_M, HEAD_DIM_V, THREADS>(do_f, in.dout, bp.dout_s.row, bp.dout_s.col,
                                                  p.seqlen_q - m0, p.head_dim_v);
     if (n_lo < n_hi) preround_kv(0);
 
     float lse_log2[2], dl[2];  // this lane's two rows
-    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
+    load_row_stats(lse_log2, dl, in.lse, in.delta, bp, m0, warp, lane);
     float dq[HEAD_DIM / 8][4];
     zero(dq);
 
@@ -342,8 +327,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         scores_f32<HEAD_DIM, BLOCK_N, KP, PRE>(s, q_w, k_t + g * KP + t);
         scores_f32<HEAD_DIM_V, BLOCK_N, VP, PRE>(dp, do_w, v_t + g * VP + t);
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
-        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior, mask,
-                                       bias, [&](int, int e) {
+        p_and_ds_tile<HAS_MASK, false>(s, dp, p, consts, m0 + warp * 16, n0, lane, interior,
+                                       in.mask, in.bias, [&](int, int e) {
                                            return make_float2(lse_log2[e / 2], dl[e / 2]);
                                        });
         accumulate_f32<BLOCK_N, HEAD_DIM, KP, PRE>(dq, dp, k_t + 2 * t * KP + g);

@@ -73,9 +73,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
     const unsigned char* mask = in.mask;
     const BiasT* bias = in.bias;
 
-    // The query rows whose band reaches keys n0 .. n_last; other query tiles are skipped.
-    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    // the query tiles whose band reaches the block's keys; the others are skipped
+    const Range queries = band_queries<BLOCK_M, BLOCK_N>(p, n0);
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
     const long long rows_k = p.seqlen_k - n0;
@@ -192,9 +191,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
     const unsigned char* mask = in.mask;
     const BiasT* bias = in.bias;
 
-    // the key tiles that the causal/window band reaches from rows m0 .. m_last
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const Range keys = band_keys<BLOCK_M, BLOCK_N>(p, m0);  // the band's key tiles
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     const long long rows_q = p.seqlen_q - m0;

@@ -241,9 +241,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     const BiasT* bias = in.bias;
     const Side side(side_s, mask, bias, p);
 
-    // query rows whose band reaches keys n0 .. n_last
-    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const Range queries = band_queries<BLOCK_M, BLOCK_N>(p, n0);  // the band's query tiles
     const long long m_lo = queries.lo, m_hi = queries.hi;
 
     load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s, k, p.k_s.row, p.k_s.col, p.seqlen_k - n0,
@@ -352,27 +350,20 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     const long long m_block = blk.row_block, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
 
-    const BackwardInputs<T, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const T *q = in.q + m0 * p.q_s.row, *k = in.k;
-    const T *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
-    const float *lse = in.lse, *delta = in.delta;
-    const unsigned char* mask = in.mask;
-    const BiasT* bias = in.bias;
-    const Side side(side_s, mask, bias, p);
-
-    // key tiles that the band reaches from rows m0 .. m_last
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const DqInputs<T, float, BiasT> in(bp, b, m0);  // batch entry b from row m0 (backward.cuh)
+    const Side side(side_s, in.mask, in.bias, p);
+    const Range keys = band_keys<BLOCK_M, BLOCK_N>(p, m0);  // the band's key tiles
     const long long n_lo = keys.lo, n_hi = keys.hi;
 
     auto request_kv = [&](long long n0, int st) {
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + st * K_ELEMS, v_s + st * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N>(), Sw128<BLOCK_N>());
+            k_s + st * K_ELEMS, v_s + st * V_ELEMS, in.k, in.v, n0, p, Sw128<BLOCK_N>(),
+            Sw128<BLOCK_N>());
         side.request(st, m0, n0);
     };
-    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
-                                                   p.head_dim, Sw128<BLOCK_M>());
-    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s.row, bp.dout_s.col,
+    load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, in.q, p.q_s.row, p.q_s.col,
+                                                   p.seqlen_q - m0, p.head_dim, Sw128<BLOCK_M>());
+    load_tile<BLOCK_M, HEAD_DIM_V, THREADS, ALIGNED>(do_s, in.dout, bp.dout_s.row, bp.dout_s.col,
                                                      p.seqlen_q - m0, p.head_dim_v,
                                                      Sw128<BLOCK_M>());
     const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
@@ -383,7 +374,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     }
 
     float lse_log2[2], dl[2];  // this lane's two rows
-    load_row_stats(lse_log2, dl, lse, delta, bp, m0, warp, lane);
+    load_row_stats(lse_log2, dl, in.lse, in.delta, bp, m0, warp, lane);
     float dq[HEAD_DIM / 8][4];
     zero(dq);
     const unsigned q_base = smem_addr(q_s), do_base = smem_addr(do_s);
@@ -393,7 +384,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     if constexpr (OVERLAP) {
         dq_overlapped<T, HAS_MASK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES>(
             dq, p, consts, side, request_kv, tiles, n_lo, m0, q_base, do_base, k_base, v_base,
-            lse_log2, dl, warp, lane, mask, bias);
+            lse_log2, dl, warp, lane, in.mask, in.bias);
     } else {
         int stage = 0;
         for (long long n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, stage ^= 1) {
@@ -412,8 +403,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
             const auto stat = [&](int, int e) { return make_float2(lse_log2[e / 2], dl[e / 2]); };
             // the mask and bias tiles staged with this key tile, or the arrays in place
             p_and_ds_tile<HAS_MASK, false, BLOCK_N / 8>(s, dp, p, consts, m0 + warp * 16, n0,
-                                                        lane, interior, side, stage, m0, n0, mask,
-                                                        bias, stat);
+                                                        lane, interior, side, stage, m0, n0,
+                                                        in.mask, in.bias, stat);
             product_rs<HEAD_DIM, BLOCK_N, T>(dq, dp, k_tile);
             wgmma_commit();
             wgmma_wait<0>();

@@ -141,8 +141,7 @@ __device__ __forceinline__ void dkdv_3xf16(const AttnBwdParams& bp, const BlockC
     const float *lse = in.lse, *delta = in.delta;
     const SplitScales sc(p, b);
 
-    const long long n_last = min(n0 + BLOCK_N, p.seqlen_k) - 1;
-    const Range queries = query_band(p, n0, n_last, BLOCK_M);
+    const Range queries = band_queries<BLOCK_M, BLOCK_N>(p, n0);  // the band's query tiles
     const long long m_lo = queries.lo, m_hi = queries.hi;
     const int tiles = m_lo < m_hi ? (int)((m_hi - m_lo + BLOCK_M - 1) / BLOCK_M) : 0;
 
@@ -415,34 +414,30 @@ __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
     const long long m_block = blk.row_block, b = blk.b;
     const long long m0 = m_block * BLOCK_M, m_own = m0 + 64 * wg;
 
-    const BackwardInputs<float, float, BiasT> in(bp, b);  // batch entry b (backward.cuh)
-    const float *q = in.q + m0 * p.q_s.row, *k = in.k;
-    const float *v = in.v, *dout = in.dout + m0 * bp.dout_s.row;
-    const float *lse = in.lse, *delta = in.delta;
+    const DqInputs<float, float, BiasT> in(bp, b, m0);  // entry b from row m0 (backward.cuh)
     const SplitScales sc(p, b);
 
-    const long long m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const Range keys = band_keys<BLOCK_M, BLOCK_N>(p, m0);  // the band's key tiles
     const long long n_lo = keys.lo, n_hi = keys.hi;
     const int tiles = n_lo < n_hi ? (int)((n_hi - n_lo + BLOCK_N - 1) / BLOCK_N) : 0;
 
     auto request_kv = [&](int t) {  // key tile t into raw stage t % 2
         load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, k, v,
+            k_raw + (t & 1) * K_ELEMS, v_raw + (t & 1) * V_ELEMS, in.k, in.v,
             n_lo + (long long)t * BLOCK_N, p, Sw128<BLOCK_N, 4>(), Sw128<BLOCK_N, 4>());
     };
     if (tiles > 0) request_kv(0);
     cp_async_commit();  // the first key tile
     // each warpgroup's 64 rows of Q and dO, split through registers meanwhile
-    split_own_tiles<WARPGROUPS, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s, p.seqlen_q - m0,
+    split_own_tiles<WARPGROUPS, HEAD_DIM, THREADS, ALIGNED>(q_s, in.q, p.q_s, p.seqlen_q - m0,
                                                             p.head_dim, sc.q);
-    split_own_tiles<WARPGROUPS, HEAD_DIM_V, THREADS, ALIGNED>(do_s, dout, bp.dout_s,
+    split_own_tiles<WARPGROUPS, HEAD_DIM_V, THREADS, ALIGNED>(do_s, in.dout, bp.dout_s,
                                                               p.seqlen_q - m0, p.head_dim_v,
                                                               sc.dout);
     cp_async_wait<0>();
 
     float lse_log2[2], dl[2];  // this lane's two rows
-    load_row_stats(lse_log2, dl, lse, delta, bp, m_own, warp, lane);
+    load_row_stats(lse_log2, dl, in.lse, in.delta, bp, m_own, warp, lane);
     float dq[HEAD_DIM / 8][4];
     zero(dq);
     const unsigned q_base = smem_addr(q_s + wg * 2 * Q_ELEMS);  // this warpgroup's rows
