@@ -93,7 +93,8 @@ def main(argv=None) -> int:
         command = [sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    "-p", "warm_cache", *rest]
     with tempfile.TemporaryDirectory() as directory:
-        env = dict(os.environ, **{RECORD_DIR: directory})
+        # PYTHONOPTIMIZE as well as -O: pytest-xdist's workers are new interpreters
+        env = dict(os.environ, **{RECORD_DIR: directory, "PYTHONOPTIMIZE": "1"})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
                                                           env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
