@@ -224,11 +224,11 @@ def attention_forward(call: AttentionCall, *, block_m: int | None = None,
         Natural-log row log-sum-exp in float32 (float64 for float64), only when
         ``call.return_lse``.
     """
-    folded = _split.fold_groups(call)
-    if folded is not None:  # query groups as rows: one product per key head, not per group
-        out, lse = attention_forward(folded, block_m=block_m, block_n=block_n)
-        return (call.out if call.out is not None else out.reshape(call.out_shape),
-                None if lse is None else lse.reshape(call.lse_shape))
+    # query groups as rows: one product per key head, not one per group
+    result = _split.run_folded(call, lambda folded: attention_forward(
+        folded, block_m=block_m, block_n=block_n))
+    if result is not None:
+        return result
     acc_dtype = lse_dtype(call.dtype)
     out = call.out if call.out is not None else np.empty(call.out_shape, call.dtype)
     lse = np.empty(call.lse_shape, acc_dtype) if call.return_lse else None

@@ -190,13 +190,12 @@ def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: b
         with cupy.cuda.Device(device_id):
             return forward(call, kernel, tiles, split)
     if split and kernel is None and tiles is None:
-        folded = _split.fold_groups(call)
-        if folded is not None:  # query groups as rows: each block reads its keys once
-            out, lse = forward(folded)
-            return (call.out if call.out is not None else out.reshape(call.out_shape),
-                    None if lse is None else lse.reshape(call.lse_shape))
-    if split and kernel is None and tiles is None and call.seqlen_q and call.seqlen_k:
-        chunks = _split.split_count(call, sm_count(device_id))
+        # query groups as rows: each block reads its keys once for the whole group
+        result = _split.run_folded(call, forward)
+        if result is not None:
+            return result
+        chunks = (_split.split_count(call, sm_count(device_id))
+                  if call.seqlen_q and call.seqlen_k else 1)
         if chunks > 1:
             out, lse = _split.forward(call, chunks, lambda part: forward(part, split=False))
             return out, (lse if call.return_lse else None)

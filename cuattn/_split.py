@@ -12,8 +12,9 @@ The first ``n - 1`` chunks hold ``L = Sk // n`` keys each and are one launch ove
 views ``k[..., :(n-1) L, :]`` reshaped to ``(..., n - 1, L, D)`` (q broadcast over the new
 axis); the last chunk, the remaining keys, is a second launch that keeps the causal band,
 which the earlier chunks lie wholly inside (see :func:`split_count`). Both write their
-outputs into one ``(..., n, Sq, Dv)`` buffer, and :func:`cuattn.merge_attention` combines
-the n parts in order (one kernel launch on CuPy), so the result is deterministic. The
+outputs into one ``(..., n, Sq, Dv)`` buffer, and :func:`cuattn.merge.merge_stacked` (the
+merge of :func:`cuattn.merge_attention`, reading the parts in place) combines the n parts in
+order (one kernel launch on CuPy), so the result is deterministic. The
 partial outputs are rounded to the input dtype before the merge rounds once more.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from ._checks import AttentionCall, lse_dtype
 
-__all__ = ["fold_groups", "split_count", "forward"]
+__all__ = ["fold_groups", "run_folded", "split_count", "forward"]
 
 #: fewest keys per chunk: shorter chunks cost more in merging than they gain in blocks
 MIN_CHUNK = 1024
@@ -63,6 +64,17 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
         return None
     return dataclasses.replace(call, q=q, out=out, batch_shape=batch[:-1] + (1,),
                                seqlen_q=batch[-1] * sq, window_left=-1, window_right=-1)
+
+
+def run_folded(call: AttentionCall, run):
+    """``(out, lse)`` of a validated call computed by ``run`` on its folded form
+    (:func:`fold_groups`), as arrays of the call's shapes; None where it does not fold."""
+    folded = fold_groups(call)
+    if folded is None:
+        return None
+    out, lse = run(folded)
+    return (call.out if call.out is not None else out.reshape(call.out_shape),
+            None if lse is None else lse.reshape(call.lse_shape))
 
 
 def _rows_folded(x, sq: int):
