@@ -139,7 +139,8 @@ def run_cases(families=None) -> int:
     return 1 if failed else 0
 
 
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+#: the error count: "ERROR SUMMARY: N errors", racecheck's "RACECHECK SUMMARY: ... (N errors, ..."
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*?\((\d+) error")
 _CASES = re.compile(r"(\d+) cases, (\d+) failed")
 
 
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
             with open(os.path.join(args.log_dir, f"sanitize-{tool}.log"), "w") as f:
                 f.write(log)
         summary, cases = _SUMMARY.findall(log), _CASES.findall(log)
-        errors = int(summary[-1]) if summary else -1
+        errors = int("".join(summary[-1])) if summary else -1
         n_cases, n_failed = (int(c) for c in cases[-1]) if cases else (-1, -1)
         bad = errors != 0 or n_failed != 0 or res.returncode != 0
         status |= bad
