@@ -3,7 +3,8 @@
 A forward call's plan (:func:`forward`) is its dispatch choice (``_dispatch``), its layout
 and its parameter block (``_launch``), kept per call signature, so that a repeated call
 skips validation, dispatch and packing and only writes its pointers
-(:func:`repeated_call`). The backward (:func:`backward`) runs delta, dK/dV and dQ through
+(:func:`repeated_call`); a decoding call's plan is its split into key chunks and their
+merge, replayed the same way. The backward (:func:`backward`) runs delta, dK/dV and dQ through
 the same :class:`~cuattn._launch.Launch`.
 """
 from __future__ import annotations
@@ -16,8 +17,18 @@ import numpy as np
 from . import _dispatch, _split
 from ._checks import AttentionCall, check_attention, loaded_cupy, lse_dtype, sum_to_shape
 from ._kernels import get_kernel
-from ._launch import Launch, broadcast_strides, device_limits, layout, sm_count, stride_fields
+from ._launch import (
+    Launch,
+    LaunchLoop,
+    broadcast_strides,
+    device_limits,
+    layout,
+    offset_sets,
+    sm_count,
+    stride_fields,
+)
 from ._params import new_block
+from .merge import stacked_plan
 
 __all__ = ["forward", "backward", "repeated_call"]
 
@@ -69,9 +80,10 @@ def _forward_launch(fn, grid: int, threads: int, shared_mem: int, fields: dict) 
                   pointers=FORWARD_SLOTS, per_call="magnitudes")
 
 
-#: Forward launch plans by call signature (:func:`_plan_key`): a Launch (kernel,
-#: grid, shared memory and the parameter block without its pointers). A repeated signature
-#: skips dispatch, layout and packing, which is most of the Python time of a call.
+#: Forward launch plans by call signature (:func:`_plan_key`): callables of the call's
+#: pointers (:func:`_plan`) holding kernels, grids, shared memory and parameter blocks. A
+#: repeated signature skips dispatch, layout and packing, which is most of the Python time
+#: of a call; a split call's plan holds its parts' plans and the merge.
 _forward_plans: dict = {}
 _MAX_PLANS = 512
 
@@ -80,40 +92,69 @@ def _signature(x):
     return None if x is None else (x.shape, x.strides, x.dtype)
 
 
-def _plan_key(call: AttentionCall, device_id: int, kernel, tiles):
+def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int):
     """Everything a forward launch plan depends on, pointers aside: shapes, strides and
-    dtypes of every array, the scalar arguments, whether q, k and v start on 16-byte
-    boundaries (the aligned copy path), the device, the forced family and tiles, and the
-    environment variables that choose a family or the kernel sources."""
+    dtypes of every array, the scalar arguments, where q, k and v start within 16 bytes
+    (the aligned copy path, also of a split call's views at offsets), the device, the forced
+    family and tiles, the key chunks, and the environment variables that choose a family or
+    the kernel sources."""
     q, k, v = call.q, call.k, call.v
     return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
             _signature(call.bias), _signature(call.out), call.scale, call.softcap,
             call.window_left, call.window_right, call.precision, call.return_lse,
-            (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0, kernel, tiles,
+            q.data.ptr % 16, k.data.ptr % 16, v.data.ptr % 16, kernel, tiles, chunks,
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
 
 
 def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
-    """(launch, pointer sets): the dispatch choice and layout of a call as a
-    :class:`~cuattn._launch.Launch`; the pointer sets are None when the batch axes
-    collapse into the kernel's three (one launch, pointers straight from the arrays), else
-    the list of the launches' pointers. ``prepared``: as for :func:`_forward_tensors`."""
+    """(launch, offset sets): the dispatch choice and layout of a call as a
+    :class:`~cuattn._launch.Launch`; the offset sets are None when the batch axes collapse
+    into the kernel's three (one launch), else each launch's offsets from the slots' base
+    pointers (:class:`~cuattn._launch.LaunchLoop`). ``prepared``: as for
+    :func:`_forward_tensors`."""
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-    extents, strides, pointer_sets = layout(call.batch_shape,
-                                             _forward_tensors(call, out, lse, prepared))
+    tensors = _forward_tensors(call, out, lse, prepared)
+    extents, strides, pointer_sets = layout(call.batch_shape, tensors)
     num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
     grid = num_m * num_dv * math.prod(extents)
     launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem,
                              _attn_fields(call, extents, num_m, num_dv, strides))
-    return launch, (None if isinstance(pointer_sets, list) else list(pointer_sets))
+    return launch, offset_sets(tensors, pointer_sets)
+
+
+def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):
+    """The launch plan of a call's signature in ``chunks`` key chunks (1: no split), kept
+    per signature (:func:`_plan_key`): a callable with the call's seven slot pointers
+    (FORWARD_SLOTS; 0 for an absent one) and the stream, which runs everything the call
+    needs. ``out`` and ``lse``: this call's, for their layout."""
+    key = _plan_key(call, device_id, kernel, tiles, chunks)
+    plan = _forward_plans.get(key)
+    if plan is not None:
+        return plan
+    if chunks > 1:
+        plan = _SplitLaunch(call, chunks, device_id, out)
+    else:
+        cc, smem_limit = device_limits(device_id)
+        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
+        if choice.prepare:  # operands prepared per call (tile images), then the kernel
+            plan = _prepared_plan(call, choice, out, lse)
+        else:
+            launch, loop = _forward_plan(call, choice, out, lse)
+            if choice.magnitudes is not None:  # every launch after its magnitudes kernel
+                launch = _MagnitudesLaunch(call, choice, launch, out, lse)
+            plan = launch if loop is None else LaunchLoop(launch, loop)
+    if len(_forward_plans) >= _MAX_PLANS:
+        _forward_plans.clear()
+    _forward_plans[key] = plan
+    return plan
 
 
 #: Repeated calls: the signature of a CuPy call without ``out`` whose arguments were
-#: validated and whose launch plan exists -> (out shape, dtype, lse shape and dtype, Launch).
+#: validated and whose launch plan exists -> (out shape, dtype, lse shape and dtype, plan).
 #: The signature holds everything validation and dispatch read: the arrays' type, shapes,
-#: strides, dtypes and devices (q, k, v, and mask and bias when given), whether q, k, v
-#: start on 16-byte boundaries, the scalar arguments as given (window sides with their
+#: strides, dtypes and devices (q, k, v, and mask and bias when given), where q, k, v
+#: start within 16 bytes, the scalar arguments as given (window sides with their
 #: types, since (1.0, 2) is refused where (1, 2) is not) and the environment variables that
 #: choose a family or the sources; so a call that matches one needs neither.
 _repeated: dict = {}
@@ -147,7 +188,7 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
     else:
         window_key = None
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
-           v.dtype, device, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) % 16 == 0,
+           v.dtype, device, kd.device_id, vd.device_id, qd.ptr % 16, kd.ptr % 16, vd.ptr % 16,
            *extra, window_key, type(scale), scale, type(causal), causal, type(softcap), softcap,
            type(return_lse), return_lse, precision,
            os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
@@ -159,14 +200,13 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
         call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                                bias=bias, softcap=softcap, return_lse=return_lse,
                                precision=precision)
-        out, lse = forward(call)
-        planned = _split.fold_groups(call) or call  # a folded call: the same pointers
-        plan = _forward_plans.get(_plan_key(planned, device, None, None))
-        if plan is not None and plan[1] is None:  # one launch, plan kept
+        # the plan of a folded call takes the same pointers (views of the same arrays)
+        out, lse, plan = _run(call, None, None, True)
+        if plan is not None:
             if len(_repeated) >= _MAX_PLANS:
                 _repeated.clear()
             _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
-                              lse_dtype(call.dtype), plan[0])
+                              lse_dtype(call.dtype), plan)
         return (out, lse) if call.return_lse else out
     if cupy.cuda.runtime.getDevice() != device:
         return None  # another device is current: the long way enters q's
@@ -184,60 +224,76 @@ def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: b
     most SMs idle runs in key chunks, and query groups that share their keys run as the
     rows of one batch entry (``cuattn._split``), unless ``split`` is False or a family or
     tiles are forced."""
+    return _run(call, kernel, tiles, split)[:2]
+
+
+def _run(call: AttentionCall, kernel, tiles, split: bool):
+    """(out, lse, plan) of :func:`forward`: plan is the kept plan (:func:`_plan`) that ran
+    the call, with the call's own pointers, or None where nothing ran (no rows)."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
-            return forward(call, kernel, tiles, split)
+            return _run(call, kernel, tiles, split)
+    chunks = 1
     if split and kernel is None and tiles is None:
         # query groups as rows: each block reads its keys once for the whole group
-        result = _split.run_folded(call, forward)
+        result = _split.run_folded(call, lambda folded: _run(folded, None, None, True))
         if result is not None:
             return result
-        chunks = (_split.split_count(call, sm_count(device_id))
-                  if call.seqlen_q and call.seqlen_k else 1)
-        if chunks > 1:
-            out, lse = _split.forward(call, chunks, lambda part: forward(part, split=False))
-            return out, (lse if call.return_lse else None)
+        if call.seqlen_q and call.seqlen_k:
+            chunks = _split.split_count(call, sm_count(device_id))
     # cupy.ndarray rather than cupy.empty: the same allocation, one Python call less
     out = call.out if call.out is not None else cupy.ndarray(call.out_shape, call.dtype)
     lse = cupy.ndarray(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
     if call.seqlen_q == 0 or 0 in call.batch_shape:
-        return out, lse
-    key = _plan_key(call, device_id, kernel, tiles)
-    plan = _forward_plans.get(key)
-    stream = cupy.cuda.get_current_stream().ptr
-    if plan is None:
-        cc, smem_limit = device_limits(device_id)
-        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
-        if choice.prepare:  # operands prepared per call (tile images), then the kernel
-            plan = _prepared_plan(call, choice, out, lse)
-        else:
-            plan = _forward_plan(call, choice, out, lse)
-            if choice.magnitudes is not None:  # every launch after its magnitudes kernel
-                plan = (_MagnitudesLaunch(call, choice, plan[0], out, lse), plan[1])
-        if plan[1] is None:  # plans with a launch loop hold pointers: not kept
-            if len(_forward_plans) >= _MAX_PLANS:
-                _forward_plans.clear()
-            _forward_plans[key] = plan
-    launch, pointer_sets = plan
-    if pointer_sets is None:  # one launch: the pointers are the arrays' own
-        launch([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)], stream)
-    else:
-        for pointers in pointer_sets:
-            launch(pointers, stream)
-    return out, lse
+        return out, lse, None
+    plan = _plan(call, device_id, kernel, tiles, out, lse, chunks)
+    plan([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)],
+         cupy.cuda.get_current_stream().ptr)
+    return out, lse, plan
+
+
+class _SplitLaunch:
+    """The plan of a call in key chunks (``cuattn._split``), called as a Launch with the
+    call's seven pointers: new buffers for the partial results (CuPy's pool, on the stream
+    of the launches, so reused only after the merge that reads them), the plans of the two
+    part calls over offsets of q, k, v and those buffers, then the merge into out and lse
+    (a new lse where the call returns none)."""
+
+    def __init__(self, call: AttentionCall, n: int, device_id: int, out):
+        cupy = call.xp
+        outs, lses = _split.buffers(call, n)
+        lse = cupy.ndarray(call.lse_shape, lses.dtype)
+        bases = (call.q, call.k, call.v, outs, lses)
+        self._parts = []
+        for part, part_lse in _split.parts(call, n, outs, lses):
+            arrays = (part.q, part.k, part.v, part.out, part_lse)
+            plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
+            self._parts.append((plan, [x.data.ptr - b.data.ptr for x, b in zip(arrays, bases)]))
+        self._merge = stacked_plan(outs, lses, out, lse)
+        self._shapes = (outs.shape, outs.dtype, lses.shape, lses.dtype, lse.shape)
+        self._ndarray = cupy.ndarray
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        outs_shape, dtype, lses_shape, lse_dt, lse_shape = self._shapes
+        outs, lses = self._ndarray(outs_shape, dtype), self._ndarray(lses_shape, lse_dt)
+        q, k, v, out, lse = pointers[:5]
+        if not lse:
+            scratch = self._ndarray(lse_shape, lse_dt)
+            lse = scratch.data.ptr
+        bases = (q, k, v, outs.data.ptr, lses.data.ptr)
+        for plan, offsets in self._parts:
+            plan([b + o for b, o in zip(bases, offsets)] + [0, 0], stream_ptr)
+        self._merge(out, lse, outs.data.ptr, lses.data.ptr, stream_ptr)
 
 
 def _prepared_plan(call: AttentionCall, choice, out, lse):
-    """(launch, pointer sets) of the piped sm90_tf32 instance (attention_sm90_tf32.cu,
-    attention_fwd_sm90_tf32_piped), which reads K and V prepared per call: per batch entry
-    of k, its tile images (tf32_image_k: each tile of block_n keys rounded to TF32 in the
-    shared-memory layout), per batch entry of v its V^T tile images (tf32_image_vt). As for
-    :func:`_forward_plan`, the pointer sets are None when every launch is one: the launch
-    (a :class:`_PreparedLaunch`) then allocates the images, prepares them and runs the
-    kernel from the call's seven pointers, and the plan is kept. Otherwise the images are
-    prepared here, and the pointer sets are the kernel's launches over them."""
+    """The plan (a :class:`_PreparedLaunch`) of the piped sm90_tf32 instance
+    (attention_sm90_tf32.cu, attention_fwd_sm90_tf32_piped), which reads K and V prepared
+    per call: per batch entry of k, its tile images (tf32_image_k: each tile of block_n keys
+    rounded to TF32 in the shared-memory layout), per batch entry of v its V^T tile images
+    (tf32_image_vt)."""
     cupy = call.xp
     sk, bn = call.seqlen_k, choice.tiles.block_n
     tiles = -(-sk // bn)
@@ -251,24 +307,9 @@ def _prepared_plan(call: AttentionCall, choice, out, lse):
         strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
         entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
                         + [images.shape[-1], 1]))
-    launch, pointer_sets = _forward_plan(call, choice, out, lse, entries)
-    if pointer_sets is None and all(p is not None and p[1] is None for p in preps):
-        return _PreparedLaunch(cupy, [x.shape for x, _ in entries],
-                               [p[0] for p in preps], launch), None
-    # launch loops, or no keys: everything runs here, while the images are alive
-    stream = cupy.cuda.get_current_stream().ptr
-    for x, (images, _), prep in zip((call.k, call.v), entries, preps):
-        if prep is not None:
-            prep_launch, prep_sets = prep
-            for pointers in prep_sets or [(x.data.ptr, images.data.ptr)]:
-                prep_launch(pointers, stream)
-    if pointer_sets is None:
-        arrays = list(_forward_arrays(call, out, lse))
-        arrays[1:3] = [x for x, _ in entries]
-        pointer_sets = [[0 if x is None else x.data.ptr for x in arrays]]
-    for pointers in pointer_sets:
-        launch(pointers, stream)
-    return launch, []  # launched: nothing left for the caller, and not kept
+    launch, loop = _forward_plan(call, choice, out, lse, entries)
+    return _PreparedLaunch(cupy, [x.shape for x, _ in entries], preps,
+                           launch if loop is None else LaunchLoop(launch, loop))
 
 
 class _MagnitudesLaunch:
@@ -297,7 +338,7 @@ class _PreparedLaunch:
     """The launches of one call signature of a piped instance (:func:`_prepared_plan`),
     called as a :class:`~cuattn._launch.Launch` with the call's seven pointers: new
     K and V^T images (from CuPy's pool, on the stream of the launches, so reused only after
-    the kernel that reads them), their two preparations, the kernel."""
+    the kernel that reads them), their two preparations (none without keys), the kernel."""
 
     def __init__(self, cupy, shapes, preps, launch):
         self._ndarray, self._shapes, self._preps, self._launch = cupy.ndarray, shapes, preps, launch
@@ -306,26 +347,26 @@ class _PreparedLaunch:
         k_images = self._ndarray(self._shapes[0], np.float32)
         vt_images = self._ndarray(self._shapes[1], np.float32)
         k_ptr, vt_ptr = k_images.data.ptr, vt_images.data.ptr
-        self._preps[0]((pointers[1], k_ptr), stream_ptr)
-        self._preps[1]((pointers[2], vt_ptr), stream_ptr)
+        for prep, src, dst in zip(self._preps, pointers[1:3], (k_ptr, vt_ptr)):
+            if prep is not None:
+                prep((src, dst), stream_ptr)
         self._launch([pointers[0], k_ptr, vt_ptr, *pointers[3:]], stream_ptr)
 
 
 def _tf32_prep_plan(filename: str, expr: str, src, images, rows: int, cols: int, src_rows: int,
                     src_cols: int):
-    """(launch, pointer sets) of one tf32_image_k / tf32_image_vt preparation: the pointer
-    sets are None when it is one launch (source and images from the arrays' own pointers),
-    else the (source, images) pointers of each launch, when the input's batch axes do not
-    collapse into three. ``rows`` keys per tile, ``cols`` the padded head dim. None when
-    there are no keys: nothing to prepare."""
+    """One tf32_image_k / tf32_image_vt preparation, called with the (source, images)
+    pointers: a Launch, or a LaunchLoop where the input's batch axes do not collapse into
+    three. ``rows`` keys per tile, ``cols`` the padded head dim. None when there are no
+    keys: nothing to prepare."""
     if src_rows == 0:
         return None
     own = src.shape[:-2]
     src_strides = broadcast_strides(src, src.shape)
     dst_strides = broadcast_strides(images, images.shape)
     nb = len(own)
-    extents, strides, pointer_sets = layout(
-        own, [(src, src_strides), (images, dst_strides[:nb] + [images.shape[-1], 1])])
+    tensors = [(src, src_strides), (images, dst_strides[:nb] + [images.shape[-1], 1])]
+    extents, strides, pointer_sets = layout(own, tensors)
     count = math.prod(extents)
     key_tiles = -(-src_rows // rows)
     if expr.startswith("tf32_image_k"):  # one thread per 16-byte chunk of a tile's keys
@@ -338,9 +379,8 @@ def _tf32_prep_plan(filename: str, expr: str, src, images, rows: int, cols: int,
                       rows=rows, cols=cols, src_rows=src_rows, src_cols=src_cols,
                       src_s=tuple(strides[:5]))
     launch = Launch(fn, grid, 256, 0, block, pointers=("src", "dst"))
-    if isinstance(pointer_sets, list):  # one launch
-        return launch, None
-    return launch, [(p[0], p[1]) for p in pointer_sets]
+    loop = offset_sets(tensors, pointer_sets)
+    return launch if loop is None else LaunchLoop(launch, loop)
 
 
 #: Rows of q (and of k) per block of attention_bwd_magnitudes (MAG_ROWS in

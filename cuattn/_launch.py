@@ -14,8 +14,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["Launch", "layout", "broadcast_strides", "collapse_batch", "device_limits",
-           "sm_count", "stride_fields"]
+__all__ = ["Launch", "LaunchLoop", "layout", "offset_sets", "broadcast_strides",
+           "collapse_batch", "device_limits", "sm_count", "stride_fields"]
 
 
 class Launch:
@@ -56,6 +56,31 @@ class Launch:
                 _INT64.pack_into(self._bytes, self._per_call, per_call)
             self._launch(self._function, grid_x, grid_y, 1, threads, 1, 1, shared_mem,
                          stream_ptr, self._argv_ptr, 0)
+
+
+class LaunchLoop:
+    """A launch repeated over batch axes that did not collapse into three, called as a
+    :class:`Launch` with the base pointers of its slots: each launch adds its offsets to
+    them (an absent slot's 0 stays 0). Holds offsets, not pointers, so a plan that loops
+    is kept per call signature like one that does not."""
+
+    def __init__(self, launch, offset_sets: list):
+        self._launch, self._offset_sets = launch, offset_sets
+
+    def __call__(self, pointers, stream_ptr: int, *per_call) -> None:
+        for offsets in self._offset_sets:
+            self._launch([p and p + o for p, o in zip(pointers, offsets)], stream_ptr,
+                         *per_call)
+
+
+def offset_sets(tensors, pointer_sets) -> list | None:
+    """None where :func:`layout` found one launch, else each launch's pointers as offsets
+    from the bases of ``tensors`` (the list given to :func:`layout`), for a
+    :class:`LaunchLoop`."""
+    if isinstance(pointer_sets, list):
+        return None
+    bases = [0 if x is None else x.data.ptr for x, _ in tensors]
+    return [[p - b for p, b in zip(pointers, bases)] for pointers in pointer_sets]
 
 
 _INT64 = struct.Struct("<q")

@@ -4,7 +4,7 @@ Grouped queries (:func:`fold_groups`): where q's innermost batch axis (the query
 GQA) meets keys and values broadcast along it, the groups become query rows of one batch
 entry, so that one block reads each key once for all of them instead of once per group.
 
-Split keys (:func:`split_count`, :func:`forward`): calls whose grid would leave most SMs
+Split keys (:func:`split_count`, :func:`parts`): calls whose grid would leave most SMs
 idle (a few query rows, in few batch entries) cut their keys into chunks that become one
 more batch axis of the same launch, and merge the chunks' partial results.
 
@@ -12,10 +12,12 @@ The first ``n - 1`` chunks hold ``L = Sk // n`` keys each and are one launch ove
 views ``k[..., :(n-1) L, :]`` reshaped to ``(..., n - 1, L, D)`` (q broadcast over the new
 axis); the last chunk, the remaining keys, is a second launch that keeps the causal band,
 which the earlier chunks lie wholly inside (see :func:`split_count`). Both write their
-outputs into one ``(..., n, Sq, Dv)`` buffer, and :func:`cuattn.merge.merge_stacked` (the
-merge of :func:`cuattn.merge_attention`, reading the parts in place) combines the n parts in
-order (one kernel launch on CuPy), so the result is deterministic. The
-partial outputs are rounded to the input dtype before the merge rounds once more.
+outputs and lses into one ``(..., n, Sq, Dv)`` and one ``(..., n, Sq)`` buffer
+(:func:`buffers`), and :func:`cuattn.merge.merge_stacked` (the merge of
+:func:`cuattn.merge_attention`, reading the parts in place) combines the n parts in order
+(one kernel launch on CuPy), so the result is deterministic. The partial outputs are
+rounded to the input dtype before the merge rounds once more. The GPU backend keeps these
+launches per call signature, so a repeated decoding call replays them.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import numpy as np
 
 from ._checks import AttentionCall, lse_dtype
 
-__all__ = ["fold_groups", "run_folded", "split_count", "forward"]
+__all__ = ["fold_groups", "run_folded", "split_count", "buffers", "parts", "forward"]
 
 #: fewest keys per chunk: shorter chunks cost more in merging than they gain in blocks
 MIN_CHUNK = 1024
@@ -68,13 +70,14 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
 
 def run_folded(call: AttentionCall, run):
     """``(out, lse)`` of a validated call computed by ``run`` on its folded form
-    (:func:`fold_groups`), as arrays of the call's shapes; None where it does not fold."""
+    (:func:`fold_groups`), as arrays of the call's shapes, followed by whatever else
+    ``run`` returns; None where it does not fold."""
     folded = fold_groups(call)
     if folded is None:
         return None
-    out, lse = run(folded)
+    out, lse, *rest = run(folded)
     return (call.out if call.out is not None else out.reshape(call.out_shape),
-            None if lse is None else lse.reshape(call.lse_shape))
+            None if lse is None else lse.reshape(call.lse_shape), *rest)
 
 
 def _rows_folded(x, sq: int):
@@ -89,7 +92,7 @@ def _rows_folded(x, sq: int):
     shape = (*lead, 1, g * sq, d)
     strides = (*lead_strides, 0, row_stride, col_stride)
     if isinstance(x, np.ndarray):
-        return np.lib.stride_tricks.as_strided(x, shape, strides)
+        return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
     return type(x)(shape, x.dtype, memptr=x.data, strides=strides)
 
 
@@ -112,30 +115,45 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
     return n
 
 
-def forward(call: AttentionCall, n: int, run):
-    """``(out, lse)`` of a validated call in ``n`` key chunks; ``run(call)`` computes a
-    validated call's ``(out, lse)`` without splitting it again. The two parts are views of
-    the call's arrays, derived from it without validating them again."""
-    from .merge import merge_stacked
-    xp = call.xp
-    sq, sk = call.seqlen_q, call.seqlen_k
+def buffers(call: AttentionCall, n: int):
+    """The partial results of a call in ``n`` key chunks, uninitialised: outs
+    (..., n, Sq, Dv) of the input dtype and lses (..., n, Sq) of the lse dtype."""
+    xp, batch = call.xp, call.batch_shape
+    return (xp.empty(batch + (n, call.seqlen_q, call.head_dim_v), call.dtype),
+            xp.empty(batch + (n, call.seqlen_q), lse_dtype(call.dtype)))
+
+
+def parts(call: AttentionCall, n: int, outs, lses) -> list:
+    """The two calls whose results are a call's ``n`` partial results (:func:`buffers`),
+    each with the view of ``lses`` its lse goes to: views of the call's arrays and of the
+    buffers, derived without validating them again. The first runs the ``n - 1`` equal
+    chunks as one more batch axis (q broadcast over it), with no band: every row sees every
+    key there (:func:`split_count`); the second runs the last chunk with the call's band."""
+    sk = call.seqlen_k
     width = sk // n
     head = (n - 1) * width  # keys of the first n - 1 chunks
     batch = call.batch_shape
-    parts = xp.empty(batch + (n, sq, call.head_dim_v), call.dtype)
-    lses = xp.empty(batch + (n, sq), lse_dtype(call.dtype))
 
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))
 
-    # every row sees every key of the first chunks (split_count): no band there
-    _, lses[..., :n - 1, :] = run(_part(
-        call, call.q[..., None, :, :], chunked(call.k), chunked(call.v),
-        parts[..., :n - 1, :, :], batch + (n - 1,), width, -1))
-    _, lses[..., n - 1, :] = run(_part(
-        call, call.q, call.k[..., head:, :], call.v[..., head:, :], parts[..., n - 1, :, :],
-        batch, sk - head, call.window_right))
-    return merge_stacked(parts, lses, out=call.out)
+    return [(_part(call, call.q[..., None, :, :], chunked(call.k), chunked(call.v),
+                   outs[..., :n - 1, :, :], batch + (n - 1,), width, -1), lses[..., :n - 1, :]),
+            (_part(call, call.q, call.k[..., head:, :], call.v[..., head:, :],
+                   outs[..., n - 1, :, :], batch, sk - head, call.window_right),
+             lses[..., n - 1, :])]
+
+
+def forward(call: AttentionCall, n: int, run):
+    """``(out, lse)`` of a validated call in ``n`` key chunks: :func:`parts` computed by
+    ``run(call)`` (a validated call's ``(out, lse)``, without splitting it again), then
+    merged in order. The NumPy composition of the split that the GPU backend plans as one
+    launch sequence (``cuattn._gpu``)."""
+    from .merge import merge_stacked
+    outs, lses = buffers(call, n)
+    for part, lse in parts(call, n, outs, lses):
+        lse[...] = run(part)[1]
+    return merge_stacked(outs, lses, out=call.out)
 
 
 def _part(call: AttentionCall, q, k, v, out, batch: tuple, seqlen_k: int, right: int):

@@ -100,10 +100,52 @@ def merge_stacked(parts, lses, out=None):
             return merged, lse
         out[...] = merged
         return out, lse
-    part, part_lse = parts[..., 0, :, :], lses[..., 0, :]
-    return _merge_parts(part, part_lse,
-                        [part.data.ptr + i * parts.strides[-3] for i in range(n)],
-                        [part_lse.data.ptr + i * lses.strides[-2] for i in range(n)], out)
+    import cupy
+    if out is None:
+        out = cupy.empty(parts.shape[:-3] + parts.shape[-2:], parts.dtype)
+    lse = cupy.empty(lses.shape[:-2] + lses.shape[-1:], lses.dtype)
+    stacked_plan(parts, lses, out, lse)(out.data.ptr, lse.data.ptr, parts.data.ptr,
+                                        lses.data.ptr, cupy.cuda.get_current_stream().ptr)
+    return out, lse
+
+
+class _StackedMerge:
+    """The merge launch of n <= KERNEL_PARTS parts stacked on one axis, planned for one
+    layout of parts, lses, out and lse (:func:`stacked_plan`); called with the addresses of
+    out, lse, parts and lses and the stream."""
+
+    def __init__(self, loop, n: int, part_step: int, lse_step: int):
+        self._loop, self._n, self._steps = loop, n, (part_step, lse_step)
+
+    def __call__(self, out_ptr: int, lse_ptr: int, parts_ptr: int, lses_ptr: int,
+                 stream_ptr: int) -> None:
+        part_step, lse_step = self._steps
+        missing = [0] * (KERNEL_PARTS - self._n)
+        self._loop([out_ptr, lse_ptr, *(parts_ptr + i * part_step for i in range(self._n)),
+                    *missing, *(lses_ptr + i * lse_step for i in range(self._n)), *missing],
+                   stream_ptr)
+
+
+#: stacked merges by layout (:func:`stacked_plan`)
+_stacked_plans: dict = {}
+
+
+def stacked_plan(parts, lses, out, lse) -> _StackedMerge:
+    """The merge launch of CuPy parts (..., n, Sq, Dv) and lses (..., n, Sq) into out and
+    lse, kept per layout; n <= KERNEL_PARTS and at least one row."""
+    key = (parts.data.device_id, parts.shape, parts.dtype, parts.strides, lses.strides,
+           out.strides, lse.strides)
+    plan = _stacked_plans.get(key)
+    if plan is None:
+        from ._launch import LaunchLoop
+        launch, offset_sets = _merge_plan(parts[..., 0, :, :], lses[..., 0, :],
+                                          parts.shape[-3], out, lse)
+        plan = _StackedMerge(LaunchLoop(launch, offset_sets), parts.shape[-3],
+                             parts.strides[-3], lses.strides[-2])
+        if len(_stacked_plans) >= 256:
+            _stacked_plans.clear()
+        _stacked_plans[key] = plan
+    return plan
 
 
 def _merge_cupy(outs, lses):

@@ -51,6 +51,21 @@ class Memory:
         data = np.asarray(value, dtype).tobytes()
         ctypes.memmove(self._at(address, dtype.itemsize), data, dtype.itemsize)
 
+    def view(self, address, dtype, shape, strides):
+        """The array of ``shape`` and element ``strides`` (not negative) at ``address``,
+        inside one array of the call, to read and write in place."""
+        from cuattn._checks import byte_bounds
+        dtype = np.dtype(dtype)
+        address = int(address)
+        end = address + (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * dtype.itemsize
+        for x in self.arrays:
+            lo, hi = byte_bounds(np.asarray(x))
+            if lo <= address and end <= hi:
+                memory = (ctypes.c_char * (hi - lo)).from_address(lo)
+                return np.ndarray(shape, dtype, buffer=memory, offset=address - lo,
+                                  strides=[st * dtype.itemsize for st in strides])
+        raise AssertionError(f"address {address:#x} is outside every array of the call")
+
     def copy(self, to, fro, size):
         ctypes.memmove(self._at(to, size), self._at(fro, size), size)
 

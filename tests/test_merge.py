@@ -221,7 +221,7 @@ def test_device_merge_of_stacked_parts_on_host_memory(dtype, monkeypatch):
              + tuple(f"part_lse{i}" for i in range(8)))
     arrays = [parts, lses, out]
     fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256, arrays)
-    monkeypatch.setattr(merge, "_merge_plans", {})
+    monkeypatch.setattr(merge, "_stacked_plans", {})  # plans made with the stand-in Launch
     want, want_lse = merge.merge_attention([parts[..., i, :, :] for i in range(5)],
                                            [lses[..., i, :] for i in range(5)])
     got, got_lse = merge.merge_stacked(on_device(parts), on_device(lses), out=on_device(out))

@@ -63,24 +63,26 @@ def test_split_count():
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("sq, kw", [(1, {}), (1, {"causal": True}), (4, {"causal": True})])
 def test_gpu_decode_shapes_split(dtype, sq, kw, monkeypatch):
-    """A decode-shaped call on the GPU takes the split path, and is accurate."""
+    """A decode-shaped call on the GPU takes the split path, and is accurate; so is the
+    same signature's next call on other data (the kept plan replayed)."""
     import cupy as cp
 
     import cuattn
     chunks = []
-    real = _split.forward
-    monkeypatch.setattr(_split, "forward", lambda call, n, run: chunks.append(n) or real(
-        call, n, run))
+    real = _split.split_count
+    monkeypatch.setattr(_split, "split_count", lambda call, sms: chunks.append(
+        real(call, sms)) or chunks[-1])
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((1, 4, 2, sq, 64)).astype(dtype)
-    k = rng.standard_normal((1, 4, 1, 8192, 64)).astype(dtype)
-    v = rng.standard_normal((1, 4, 1, 8192, 64)).astype(dtype)
-    out, lse = cuattn.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True,
-                                **kw)
+    for _ in range(2):
+        q = rng.standard_normal((1, 4, 2, sq, 64)).astype(dtype)
+        k = rng.standard_normal((1, 4, 1, 8192, 64)).astype(dtype)
+        v = rng.standard_normal((1, 4, 1, 8192, 64)).astype(dtype)
+        out, lse = cuattn.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v),
+                                    return_lse=True, **kw)
+        ref, ref_lse = attention_reference(q, k, v, **kw)
+        assert_accurate(cp.asnumpy(out), ref, naive_attention(q, k, v, **kw))
+        np.testing.assert_allclose(cp.asnumpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
     assert chunks and chunks[0] > 1
-    ref, ref_lse = attention_reference(q, k, v, **kw)
-    assert_accurate(cp.asnumpy(out), ref, naive_attention(q, k, v, **kw))
-    np.testing.assert_allclose(cp.asnumpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def _group_inputs(dtype, sq, sk, layout="bhsd", seed=0):
@@ -166,3 +168,138 @@ def test_gpu_folded_groups(dtype, sq, layout, kw):
     buf = cp.full(ref.shape, cp.nan, dtype)
     assert cuattn.attention(qd, kd, vd, out=buf, **kw) is buf
     assert_accurate(cp.asnumpy(buf), ref, naive)
+
+
+def _emulate_forward(memory):
+    """A forward kernel on host memory, through its parameter block: per batch entry, q, k
+    and v read by their strides, attention_reference, out (and lse where its pointer is
+    set) written by theirs."""
+    from _hostdev import batch_offset, fields
+
+    def run(block, pointers, grid):
+        f = fields(block)
+        q, k, v, out, lse = pointers[:5]
+        dtype = np.dtype(np.float16)
+        sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
+        window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
+        kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
+              "window": None if window == (None, None) else window}
+        for b in range(grid[0] // (f["num_m_blocks"] * f["num_dv_tiles"])):
+            def at(ptr, s, shape, dt=dtype, b=b):
+                offset = int(batch_offset(s, b, f)) * dt.itemsize
+                return memory.view(ptr + offset, dt, shape, (s["row"], s["col"])[:len(shape)])
+            o, row_lse = attention_reference(at(q, f["q_s"], (sq, d)), at(k, f["k_s"], (sk, d)),
+                                             at(v, f["v_s"], (sk, dv)), **kw)
+            at(out, f["out_s"], (sq, dv))[...] = o
+            if lse:
+                at(lse, f["lse_s"], (sq,), np.dtype(np.float32))[...] = row_lse
+    return run
+
+
+def _fake_gpu(monkeypatch, arrays, launches):
+    """A CuPy stand-in for the GPU backend's forward: arrays of the class it returns are
+    CuPy arrays to cuattn (host memory; allocations join ``arrays``), kernels are emulated
+    on host memory (the forward by :func:`_emulate_forward`, the merge by cuda/merge.cu's
+    emulation), each launch is appended to ``launches`` as (kernel, pointers)."""
+    import sys
+    import types
+
+    from _hostdev import HostDevice, Memory
+    from test_merge import _emulate_merge_parts
+
+    import cuattn._checks
+    import cuattn._gpu
+    import cuattn._kernels
+    import cuattn._launch
+    from cuattn import merge
+
+    class Device(HostDevice):
+        def __new__(cls, shape, dtype):
+            x = np.ndarray.__new__(cls, shape, dtype)
+            arrays.append(x)
+            return x
+
+    memory = Memory(arrays)
+    emulate = {"forward": _emulate_forward(memory),
+               "merge": _emulate_merge_parts(memory, np.float16)}
+
+    class Launch:
+        def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None):
+            self.fn, self.grid, self.block = fn, grid, block
+
+        def __call__(self, pointers, stream, *per_call):
+            launches.append((self.fn, tuple(pointers)))
+            emulate["merge" if self.fn.startswith("merge") else "forward"](
+                self.block, pointers, self.grid)
+
+    fake = types.SimpleNamespace(
+        ndarray=Device, empty=Device,
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+    real_as_array = cuattn._checks.as_array
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuattn._checks, "as_array", lambda x, name: (
+        (x, fake) if isinstance(x, Device) else real_as_array(x, name)))
+    monkeypatch.setattr(cuattn._gpu, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
+    monkeypatch.setattr(cuattn._launch, "Launch", Launch)
+    monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
+    monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
+    for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
+                         (merge, "_stacked_plans")):
+        monkeypatch.setattr(module, name, {})  # plans made with the stand-ins only
+    return Device
+
+
+@pytest.mark.parametrize("q_lead, sq, kw", [
+    ((1, 2), 1, {}),                          # decode: 2 blocks on 8 SMs, 4 chunks
+    ((1, 2, 3), 1, {"causal": True}),         # GQA: the 3 query groups fold into rows
+    ((1, 2), 4, {"causal": True, "softcap": 20.0}),
+])
+def test_split_plan_replays_on_host_memory(q_lead, sq, kw, monkeypatch):
+    """The GPU backend's split-key plan (two part launches and the merge), through a CuPy
+    stand-in on host memory: the first call plans it, a repeated call on new arrays replays
+    it without validating or planning again, at the new arrays' addresses, and both equal
+    the float64 reference; out= takes the same plan's parts into a strided output."""
+    import cuattn
+    import cuattn._checks
+    import cuattn._gpu
+
+    arrays, launches = [], []
+    device = _fake_gpu(monkeypatch, arrays, launches)
+    sk, d = 4100, 8
+    kv_lead = q_lead[:2] + (1,) * (len(q_lead) - 2)
+    rng = np.random.default_rng(sq)
+
+    def inputs():
+        host = [rng.standard_normal(lead + (s, d)).astype(np.float16)
+                for lead, s in ((q_lead, sq), (kv_lead, sk), (kv_lead, sk))]
+        dev = [x.copy().view(device) for x in host]
+        arrays.extend(dev)
+        return host, dev
+
+    checks = []
+    real_check = cuattn._checks.check_attention
+    monkeypatch.setattr(cuattn._gpu, "check_attention",
+                        lambda *a, **k: checks.append(1) or real_check(*a, **k))
+    runs = []
+    for _ in range(2):
+        launches.clear()
+        host, dev = inputs()
+        out, lse = cuattn.attention(*dev, return_lse=True, **kw)
+        ref, ref_lse = attention_reference(*host, **kw)
+        assert out.shape == ref.shape and out.dtype == np.float16
+        assert_accurate(out, ref, naive_attention(*host, **kw))
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        runs.append(([fn for fn, _ in launches], {p for _, ptrs in launches for p in ptrs}))
+    assert len(checks) == 1                     # the second call: no validation, no planning
+    names, first_pointers = runs[0]
+    assert runs[1][0] == names and len(names) == 3 and names[-1].startswith("merge")
+    # the replay's pointers are its own arrays' (and new buffers'), not the first call's
+    assert not (runs[1][1] - {0}) & (first_pointers - {0})
+    buf = np.full(ref.shape[:-1] + (2 * d,), np.nan, np.float16).view(device)[..., ::2]
+    arrays.append(buf.base)
+    got = cuattn.attention(*dev, out=buf, **kw)
+    assert got is buf
+    assert_accurate(np.asarray(buf), ref, naive_attention(*host, **kw))
