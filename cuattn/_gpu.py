@@ -92,16 +92,16 @@ def _signature(x):
     return None if x is None else (x.shape, x.strides, x.dtype)
 
 
-def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int):
+def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int, lse):
     """Everything a forward launch plan depends on, pointers aside: shapes, strides and
-    dtypes of every array, the scalar arguments, where q, k and v start within 16 bytes
-    (the aligned copy path, also of a split call's views at offsets), the device, the forced
-    family and tiles, the key chunks, and the environment variables that choose a family or
-    the kernel sources."""
+    dtypes of every array (``lse``, the array the lse goes to, included), the scalar
+    arguments, where q, k and v start within 16 bytes (the aligned copy path, also of a
+    split call's views at offsets), the device, the forced family and tiles, the key
+    chunks, and the environment variables that choose a family or the kernel sources."""
     q, k, v = call.q, call.k, call.v
     return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
-            _signature(call.bias), _signature(call.out), call.scale, call.softcap,
-            call.window_left, call.window_right, call.precision, call.return_lse,
+            _signature(call.bias), _signature(call.out), _signature(lse), call.scale,
+            call.softcap, call.window_left, call.window_right, call.precision, call.return_lse,
             q.data.ptr % 16, k.data.ptr % 16, v.data.ptr % 16, kernel, tiles, chunks,
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
 
@@ -128,12 +128,12 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
     per signature (:func:`_plan_key`): a callable with the call's seven slot pointers
     (FORWARD_SLOTS; 0 for an absent one) and the stream, which runs everything the call
     needs. ``out`` and ``lse``: this call's, for their layout."""
-    key = _plan_key(call, device_id, kernel, tiles, chunks)
+    key = _plan_key(call, device_id, kernel, tiles, chunks, lse)
     plan = _forward_plans.get(key)
     if plan is not None:
         return plan
     if chunks > 1:
-        plan = _SplitLaunch(call, chunks, device_id, out)
+        plan = _SplitLaunch(call, chunks, device_id, out, lse)
     else:
         cc, smem_limit = device_limits(device_id)
         choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
@@ -218,34 +218,39 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
     return (out, lse) if return_lse else out
 
 
-def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: bool = True):
+def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: bool = True,
+            lse=None):
     """out and lse of a validated CuPy call; ``kernel`` forces a family (tests) and
     ``tiles`` overrides the dispatch table's tile sizes (sweeps); a call that would leave
     most SMs idle runs in key chunks, and query groups that share their keys run as the
     rows of one batch entry (``cuattn._split``), unless ``split`` is False or a family or
-    tiles are forced."""
-    return _run(call, kernel, tiles, split)[:2]
+    tiles are forced. ``lse``: an array of the call's lse shape and dtype (a view, say) to
+    write the lse into, for a call with ``return_lse``."""
+    return _run(call, kernel, tiles, split, lse)[:2]
 
 
-def _run(call: AttentionCall, kernel, tiles, split: bool):
+def _run(call: AttentionCall, kernel, tiles, split: bool, lse=None):
     """(out, lse, plan) of :func:`forward`: plan is the kept plan (:func:`_plan`) that ran
     the call, with the call's own pointers, or None where nothing ran (no rows)."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
-            return _run(call, kernel, tiles, split)
+            return _run(call, kernel, tiles, split, lse)
     chunks = 1
     if split and kernel is None and tiles is None:
-        # query groups as rows: each block reads its keys once for the whole group
-        result = _split.run_folded(call, lambda folded: _run(folded, None, None, True))
+        # query groups as rows: each block reads its keys once for the whole group (its
+        # lse folds too, so not into a given lse)
+        result = (None if lse is not None else
+                  _split.run_folded(call, lambda folded: _run(folded, None, None, True)))
         if result is not None:
             return result
         if call.seqlen_q and call.seqlen_k:
             chunks = _split.split_count(call, sm_count(device_id))
     # cupy.ndarray rather than cupy.empty: the same allocation, one Python call less
     out = call.out if call.out is not None else cupy.ndarray(call.out_shape, call.dtype)
-    lse = cupy.ndarray(call.lse_shape, lse_dtype(call.dtype)) if call.return_lse else None
+    if lse is None and call.return_lse:
+        lse = cupy.ndarray(call.lse_shape, lse_dtype(call.dtype))
     if call.seqlen_q == 0 or 0 in call.batch_shape:
         return out, lse, None
     plan = _plan(call, device_id, kernel, tiles, out, lse, chunks)
@@ -261,10 +266,11 @@ class _SplitLaunch:
     part calls over offsets of q, k, v and those buffers, then the merge into out and lse
     (a new lse where the call returns none)."""
 
-    def __init__(self, call: AttentionCall, n: int, device_id: int, out):
+    def __init__(self, call: AttentionCall, n: int, device_id: int, out, lse):
         cupy = call.xp
         outs, lses = _split.buffers(call, n)
-        lse = cupy.ndarray(call.lse_shape, lses.dtype)
+        if lse is None:  # the layout of the scratch lse of each call
+            lse = cupy.ndarray(call.lse_shape, lses.dtype)
         bases = (call.q, call.k, call.v, outs, lses)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):

@@ -1,13 +1,17 @@
 """Packed sequences and key lengths with host metadata, as dense calls.
 
 A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
-keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output. A call with
+keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse;
+the sequences are views of the validated call, run on its backend without validating each
+again. A call with
 ``k_lengths`` is one dense call per distinct entry of the lengths array: the batch entries
 that share it, against their first ``k_lengths[b]`` keys. Each dense call aligns causal and
 window masking to its own bottom-right corner, which is the per-sequence (per-length)
 alignment of the contract, and validates and dispatches like any other call.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -59,6 +63,26 @@ def _keys(x, n: int, axis: int):
     return x[..., :n] if axis == -1 else x[..., :n, :]
 
 
+def _sequence(call: AttentionCall, out, rows: slice, keys: slice) -> AttentionCall:
+    """One packed sequence of a validated call: views of its arrays, valid as they are (the
+    call's band and scalars hold per sequence), into its rows of ``out``, with its lse."""
+    return dataclasses.replace(call, q=call.q[..., rows, :], k=call.k[..., keys, :],
+                               v=call.v[..., keys, :], out=out[..., rows, :],
+                               seqlen_q=rows.stop - rows.start,
+                               seqlen_k=keys.stop - keys.start, return_lse=True)
+
+
+def _run_into(part: AttentionCall, lse) -> None:
+    """Run a validated dense part on its backend: its output into ``part.out``, its lse
+    into ``lse`` (a view of the whole call's)."""
+    if part.xp is np:
+        from ._cpu import attention_forward
+        _, lse[...] = attention_forward(part)
+    else:
+        from ._gpu import forward
+        forward(part, lse=lse)
+
+
 def forward(call: AttentionCall, ragged: Ragged):
     """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
     from .attention import attention
@@ -68,8 +92,7 @@ def forward(call: AttentionCall, ragged: Ragged):
     q, k, v = call.q, call.k, call.v
     if ragged.k_lengths is None:
         for rows, keys in _sequences(ragged):
-            _, lse[..., rows] = attention(q[..., rows, :], k[..., keys, :], v[..., keys, :],
-                                          return_lse=True, out=out[..., rows, :], **kw)
+            _run_into(_sequence(call, out, rows, keys), lse[..., rows])
         return out, lse
     for sel, n in _groups(call, ragged):
         _, lse[sel] = attention(_select(q, sel), _keys(_select(k, sel), n, -2),
