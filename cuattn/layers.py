@@ -11,6 +11,7 @@ the same two methods, so the layer reads the same on both.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,8 +21,10 @@ from ._checks import (
     MAX_HEAD_DIM,
     as_array,
     broadcasts_to,
+    check_attention,
     check_flag,
     check_precision,
+    loaded_cupy,
     mixed_kinds,
 )
 from .attention import attention
@@ -81,9 +84,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
     one ``(E, 3E)`` array (``w[:, :E]``, ``w[:, E:2 * E]``, ``w[:, 2 * E:]``) or as the
     transposed row blocks of PyTorch's ``(3E, E)`` ``in_proj_weight``, Q, K and V are one
     product against that matrix; otherwise three products write the three column blocks.
-    Biases side by side likewise take one write. Nothing is cached between calls, so
-    weights changed in place are always the ones used; a weight is read where it lies,
-    unless neither of its axes has unit stride (then a contiguous copy is multiplied).
+    Biases side by side likewise take one write. A weight is read where it lies, unless
+    neither of its axes has unit stride (then a contiguous copy is multiplied). What is
+    kept between calls is layout, never data: a CuPy call whose arrays have the shapes,
+    strides, dtypes and devices of an earlier valid call (and the same other arguments)
+    skips validation and launches the attention plan of that call; every array, weights
+    changed in place included, is read anew.
 
     Device memory besides the result: the ``(M, 3E)`` projections and the ``(M, E)``
     attention output, M = ``prod(x.shape[:-1])``; x is copied only when it has no 2-D view
@@ -110,9 +116,15 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
     >>> y.shape, y.dtype
     ((2, 5, 16), dtype('float32'))
     """
+    params = (w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)
+    key = _signature(x, params, num_heads, causal, mask, precision)
+    kept = None if key is None else _kept.get(key)
+    if kept is not None and kept.xp.cuda.runtime.getDevice() == kept.device:
+        args = _Args(params[:3], params[4:7], w_o, b_o, mask, precision)
+        return _layer(x, args, num_heads, causal,
+                      _CublasProducts.current(x.dtype, precision), kept)
     x, xp = as_array(x, "x")
-    args = _check_layer(x, xp, dict(w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, b_q=b_q, b_k=b_k,
-                                    b_v=b_v, b_o=b_o), num_heads, mask, precision)
+    args = _check_layer(x, xp, dict(zip(_PARAMS, params)), num_heads, mask, precision)
     causal = check_flag(causal, "causal")
     if xp is np:
         return _layer(x, args, num_heads, causal, _NumpyProducts(x.dtype))
@@ -121,7 +133,69 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, *, num_heads, b_q=None, b_k=None
         with xp.cuda.Device(device):
             return _layer(x, args, num_heads, causal,
                           _CublasProducts.current(x.dtype, args.precision))
-    return _layer(x, args, num_heads, causal, _CublasProducts.current(x.dtype, args.precision))
+    kept = _KeptAttention(xp, device)
+    y = _layer(x, args, num_heads, causal, _CublasProducts.current(x.dtype, args.precision),
+               kept)
+    if key is not None and kept.plan is not None:
+        if len(_kept) >= 256:
+            _kept.clear()
+        _kept[key] = kept
+    return y
+
+
+_PARAMS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _signature(x, params, num_heads, causal, mask, precision):
+    """The signature of a CuPy call: everything validation reads (the arrays' exact type,
+    shapes, dtypes and devices, the arguments with their types) and what the attention
+    plan depends on besides (x's and the mask's strides, the variables that choose a
+    kernel family or the sources); None for other calls."""
+    cupy = loaded_cupy()
+    if cupy is None or type(x) is not cupy.ndarray:
+        return None
+    ndarray = cupy.ndarray
+    arrays = []
+    for a in (x, *params, mask):
+        if a is None:
+            arrays.append(None)
+        elif type(a) is not ndarray:
+            return None
+        else:
+            arrays.append((a.shape, a.strides, a.dtype, a.data.device_id))
+    key = (*arrays, type(num_heads), num_heads, type(causal), causal, type(precision),
+           precision, os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument: validation says what is wrong with it
+        return None
+    return key
+
+
+#: CuPy layer calls by signature (:func:`_signature`) whose arguments were validated: the
+#: attention step's kept plan (:class:`_KeptAttention`). A matching call skips validation
+#: and attention's own validation and planning; everything else runs per call.
+_kept: dict = {}
+
+
+class _KeptAttention:
+    """The attention step of a CuPy layer call: the first call validates it and keeps the
+    plan that ran it; a call of the same layer signature (same views of new buffers)
+    launches that plan with its own pointers."""
+
+    def __init__(self, xp, device: int):
+        self.xp, self.device, self.plan = xp, device, None
+
+    def __call__(self, q, k, v, out, causal, mask, precision):
+        if self.plan is None:
+            from ._gpu import _run
+            call = check_attention(q, k, v, causal=causal, mask=mask, precision=precision,
+                                   out=out)
+            self.plan = _run(call, None, None, True)[2]
+            return
+        self.plan([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0,
+                   0 if mask is None else mask.data.ptr, 0],
+                  self.xp.cuda.get_current_stream().ptr)
 
 
 class _Args(NamedTuple):
@@ -197,8 +271,13 @@ def _check_mask(mask, x, xp, num_heads, device):
     return mask
 
 
-def _layer(x, args: _Args, num_heads: int, causal: bool, products):
-    """The layer of a validated call, its products computed by ``products``."""
+def _attention(q, k, v, out, causal, mask, precision):
+    attention(q, k, v, causal=causal, mask=mask, precision=precision, out=out)
+
+
+def _layer(x, args: _Args, num_heads: int, causal: bool, products, attend=_attention):
+    """The layer of a validated call, its products computed by ``products``, its attention
+    by ``attend(q, k, v, out, causal, mask, precision)``."""
     xp, dtype = products.xp, x.dtype
     lead, embed = x.shape[:-1], x.shape[-1]
     rows, head_dim = math.prod(lead), embed // num_heads
@@ -230,8 +309,7 @@ def _layer(x, args: _Args, num_heads: int, causal: bool, products):
     # out-projection's (M, E) input as it stands
     q, k, v = (b.reshape(lead + (num_heads, head_dim)).swapaxes(-2, -3) for b in blocks)
     heads = xp.empty(lead + (num_heads, head_dim), dtype)
-    attention(q, k, v, causal=causal, mask=args.mask, precision=args.precision,
-              out=heads.swapaxes(-2, -3))
+    attend(q, k, v, heads.swapaxes(-2, -3), causal, args.mask, args.precision)
 
     if args.b_o is not None:
         xp.copyto(y, args.b_o)

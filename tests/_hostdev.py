@@ -114,3 +114,85 @@ def fake_cupy(monkeypatch, emulate, expected_pointers, threads, arrays: list):
     monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda filename, expr: "kernel")
     monkeypatch.setattr(cuattn._launch, "Launch", FakeLaunch)
     return grids
+
+
+def emulate_forward(memory, dtype):
+    """A forward kernel (AttnParams) on host memory: per batch entry, q, k, v and the mask
+    read by their strides, ``attention_reference``, out (and lse where its pointer is set)
+    written by theirs. No bias."""
+    from cuattn._checks import lse_dtype
+    from cuattn.reference import attention_reference
+    dtype = np.dtype(dtype)
+
+    def run(block, pointers, grid):
+        f = fields(block)
+        q, k, v, out, lse, mask = pointers[:6]
+        sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
+        window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
+        kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
+              "window": None if window == (None, None) else window}
+        for b in range(grid[0] // (f["num_m_blocks"] * f["num_dv_tiles"])):
+            def at(ptr, s, shape, dt=dtype, b=b):
+                offset = int(batch_offset(s, b, f)) * dt.itemsize
+                return memory.view(ptr + offset, dt, shape, (s["row"], s["col"])[:len(shape)])
+            allowed = at(mask, f["mask_s"], (sq, sk), np.dtype(bool)) if mask else None
+            o, row_lse = attention_reference(at(q, f["q_s"], (sq, d)), at(k, f["k_s"], (sk, d)),
+                                             at(v, f["v_s"], (sk, dv)), mask=allowed, **kw)
+            at(out, f["out_s"], (sq, dv))[...] = o
+            if lse:
+                at(lse, f["lse_s"], (sq,), lse_dtype(dtype))[...] = row_lse
+    return run
+
+
+def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
+    """A CuPy stand-in for the GPU backend's forward path, on host memory: the class it
+    returns makes arrays that cuattn takes for CuPy arrays (allocations join ``arrays``);
+    kernels are emulated, the forward's by :func:`emulate_forward` on inputs of ``dtype``,
+    others by ``emulations`` (name prefix -> emulation); each launch is appended to
+    ``launches`` as (kernel, pointers). Plans made here stay here."""
+    import cuattn._checks
+    import cuattn._gpu
+    import cuattn._kernels
+    import cuattn._launch
+    from cuattn import merge
+
+    class Device(HostDevice):
+        def __new__(cls, shape, dtype):
+            x = np.ndarray.__new__(cls, shape, dtype)
+            arrays.append(x)
+            return x
+
+    forward = emulate_forward(Memory(arrays), dtype)
+    emulations = emulations or {}
+
+    class Launch:
+        def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None):
+            self.fn, self.grid, self.block = fn, grid, block
+
+        def __call__(self, pointers, stream, *per_call):
+            launches.append((self.fn, tuple(pointers)))
+            run = next((e for name, e in emulations.items() if self.fn.startswith(name)),
+                       forward)
+            run(self.block, pointers, self.grid)
+
+    fake = types.SimpleNamespace(
+        ndarray=Device, empty=Device, copyto=np.copyto, ascontiguousarray=np.ascontiguousarray,
+        lib=np.lib,
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+    real_as_array = cuattn._checks.as_array
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for module in [m for n, m in sys.modules.items() if n.startswith("cuattn")]:
+        if getattr(module, "as_array", None) is real_as_array:
+            monkeypatch.setattr(module, "as_array", lambda x, name: (
+                (x, fake) if isinstance(x, Device) else real_as_array(x, name)))
+    monkeypatch.setattr(cuattn._gpu, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
+    monkeypatch.setattr(cuattn._launch, "Launch", Launch)
+    monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
+    monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
+    for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
+                         (merge, "_stacked_plans")):
+        monkeypatch.setattr(module, name, {})
+    return Device

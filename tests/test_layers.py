@@ -240,6 +240,49 @@ def test_cublas_path_tf32_uses_the_tf32_compute_type():
     _check(got, x, ws, bs, 2, precision="tf32")
 
 
+@pytest.mark.parametrize("feature", list(LAYER_FEATURES))
+def test_kept_layer_calls_on_host_memory(feature, monkeypatch):
+    """The CuPy layer path through a CuPy stand-in on host memory (emulated cuBLAS and
+    attention kernel): the first call of a signature validates and plans, later calls
+    (new x, weights changed in place, new biases and mask) skip both and launch the kept
+    attention plan at their own buffers; each result is the float64 layer's."""
+    from _hostdev import fake_gpu
+
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16)
+    gemm = EmulatedGemmEx()
+    monkeypatch.setattr(layers._CublasProducts, "current", classmethod(
+        lambda cls, dtype, precision: cls(dtype, precision, gemm, 0, sys.modules["cupy"])))
+    monkeypatch.setattr(layers, "_kept", {})
+    checks = []
+    real = layers.check_attention
+    monkeypatch.setattr(layers, "check_attention",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+
+    def on_device(a):
+        d = device(a.shape, a.dtype)
+        d[...] = a
+        return d
+
+    rng = np.random.default_rng(70 + list(LAYER_FEATURES).index(feature))
+    dws = None
+    for _ in range(3):
+        x, ws, bs = _inputs(rng, np.float16, batch=(2,), n=9, embed=16)
+        kw = LAYER_FEATURES[feature](rng, 2, 9)
+        if dws is None:
+            dws = [on_device(w) for w in ws]
+        else:
+            for d, w in zip(dws, ws):
+                d[...] = w
+        dev_kw = {n: on_device(m) if n == "mask" else m for n, m in kw.items()}
+        launches.clear()
+        got = cuattn.multi_head_attention(on_device(x), *dws, num_heads=2, **dev_kw,
+                                          **{n: on_device(b) for n, b in _bias_kw(bs).items()})
+        assert type(got) is device and len(launches) == 1
+        _check(np.asarray(got), x, ws, bs, 2, **kw)
+    assert len(checks) == 1 and len(layers._kept) == 1
+
+
 def test_blas_view_reads_rows_or_columns_and_refuses_the_rest():
     m = layers._Matrix
     assert layers._blas_view(m(64, 3, 5, 40, 4), 4) == (64, layers._OP_N, 10)
@@ -351,6 +394,42 @@ def test_gpu_layer_matches_float64(dtype, biases, feature):
                                       **dev_kw)
     assert isinstance(got, cp.ndarray) and got.dtype == np.dtype(dtype)
     _check(got, x, ws, bs, 3, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", list(LAYER_FEATURES))
+def test_gpu_repeated_layer_calls_read_their_own_data(feature, monkeypatch):
+    """Calls of one signature after the first skip validation and reuse its attention plan,
+    and still compute each call's own x, weights (changed in place between calls), biases
+    and mask; a changed signature is validated again."""
+    from cuattn import _checks
+    cp = _cp()
+    rng = np.random.default_rng(60 + list(LAYER_FEATURES).index(feature))
+    layers._kept.clear()
+    checks = []
+    real = _checks.check_attention
+    monkeypatch.setattr(layers, "check_attention",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+    dws = None
+    for _ in range(3):
+        x, ws, bs = _inputs(rng, np.float16, batch=(2,), n=197, embed=192)
+        kw = LAYER_FEATURES[feature](rng, 2, 197)
+        if dws is None:
+            dws = [cp.asarray(w) for w in ws]
+        else:  # the same weight arrays, new values
+            for d, w in zip(dws, ws):
+                d[...] = cp.asarray(w)
+        dev_kw = {n: cp.asarray(m) if n == "mask" else m for n, m in kw.items()}
+        got = cuattn.multi_head_attention(cp.asarray(x), *dws, num_heads=3,
+                                          **{n: cp.asarray(b) for n, b in _bias_kw(bs).items()},
+                                          **dev_kw)
+        _check(got, x, ws, bs, 3, **kw)
+    assert len(checks) == 1 and len(layers._kept) == 1
+    with pytest.raises(ValueError, match="num_heads"):
+        cuattn.multi_head_attention(cp.asarray(x), *dws, num_heads=5)
+    got = cuattn.multi_head_attention(cp.asarray(x), *dws, num_heads=6)  # a new signature
+    _check(got, x, ws, [None] * 4, 6)
+    assert len(checks) == 2
 
 
 @pytest.mark.gpu

@@ -170,88 +170,6 @@ def test_gpu_folded_groups(dtype, sq, layout, kw):
     assert_accurate(cp.asnumpy(buf), ref, naive)
 
 
-def _emulate_forward(memory):
-    """A forward kernel on host memory, through its parameter block: per batch entry, q, k
-    and v read by their strides, attention_reference, out (and lse where its pointer is
-    set) written by theirs."""
-    from _hostdev import batch_offset, fields
-
-    def run(block, pointers, grid):
-        f = fields(block)
-        q, k, v, out, lse = pointers[:5]
-        dtype = np.dtype(np.float16)
-        sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
-        window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
-        kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
-              "window": None if window == (None, None) else window}
-        for b in range(grid[0] // (f["num_m_blocks"] * f["num_dv_tiles"])):
-            def at(ptr, s, shape, dt=dtype, b=b):
-                offset = int(batch_offset(s, b, f)) * dt.itemsize
-                return memory.view(ptr + offset, dt, shape, (s["row"], s["col"])[:len(shape)])
-            o, row_lse = attention_reference(at(q, f["q_s"], (sq, d)), at(k, f["k_s"], (sk, d)),
-                                             at(v, f["v_s"], (sk, dv)), **kw)
-            at(out, f["out_s"], (sq, dv))[...] = o
-            if lse:
-                at(lse, f["lse_s"], (sq,), np.dtype(np.float32))[...] = row_lse
-    return run
-
-
-def _fake_gpu(monkeypatch, arrays, launches):
-    """A CuPy stand-in for the GPU backend's forward: arrays of the class it returns are
-    CuPy arrays to cuattn (host memory; allocations join ``arrays``), kernels are emulated
-    on host memory (the forward by :func:`_emulate_forward`, the merge by cuda/merge.cu's
-    emulation), each launch is appended to ``launches`` as (kernel, pointers)."""
-    import sys
-    import types
-
-    from _hostdev import HostDevice, Memory
-    from test_merge import _emulate_merge_parts
-
-    import cuattn._checks
-    import cuattn._gpu
-    import cuattn._kernels
-    import cuattn._launch
-    from cuattn import merge
-
-    class Device(HostDevice):
-        def __new__(cls, shape, dtype):
-            x = np.ndarray.__new__(cls, shape, dtype)
-            arrays.append(x)
-            return x
-
-    memory = Memory(arrays)
-    emulate = {"forward": _emulate_forward(memory),
-               "merge": _emulate_merge_parts(memory, np.float16)}
-
-    class Launch:
-        def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None):
-            self.fn, self.grid, self.block = fn, grid, block
-
-        def __call__(self, pointers, stream, *per_call):
-            launches.append((self.fn, tuple(pointers)))
-            emulate["merge" if self.fn.startswith("merge") else "forward"](
-                self.block, pointers, self.grid)
-
-    fake = types.SimpleNamespace(
-        ndarray=Device, empty=Device,
-        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
-    real_as_array = cuattn._checks.as_array
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cuattn._checks, "as_array", lambda x, name: (
-        (x, fake) if isinstance(x, Device) else real_as_array(x, name)))
-    monkeypatch.setattr(cuattn._gpu, "get_kernel", lambda f, expr, shared_mem=0: expr)
-    monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
-    monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
-    monkeypatch.setattr(cuattn._launch, "Launch", Launch)
-    monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
-    monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
-    for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
-                         (merge, "_stacked_plans")):
-        monkeypatch.setattr(module, name, {})  # plans made with the stand-ins only
-    return Device
-
-
 @pytest.mark.parametrize("q_lead, sq, kw", [
     ((1, 2), 1, {}),                          # decode: 2 blocks on 8 SMs, 4 chunks
     ((1, 2, 3), 1, {"causal": True}),         # GQA: the 3 query groups fold into rows
@@ -262,12 +180,16 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, kw, monkeypatch):
     stand-in on host memory: the first call plans it, a repeated call on new arrays replays
     it without validating or planning again, at the new arrays' addresses, and both equal
     the float64 reference; out= takes the same plan's parts into a strided output."""
+    from _hostdev import Memory, fake_gpu
+    from test_merge import _emulate_merge_parts
+
     import cuattn
     import cuattn._checks
     import cuattn._gpu
 
     arrays, launches = [], []
-    device = _fake_gpu(monkeypatch, arrays, launches)
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16,
+                      {"merge": _emulate_merge_parts(Memory(arrays), np.float16)})
     sk, d = 4100, 8
     kv_lead = q_lead[:2] + (1,) * (len(q_lead) - 2)
     rng = np.random.default_rng(sq)
