@@ -1,13 +1,12 @@
 """Packed sequences and key lengths with host metadata, as dense calls.
 
 A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
-keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse;
-the sequences are views of the validated call, run on its backend without validating each
-again. A call with
-``k_lengths`` is one dense call per distinct entry of the lengths array: the batch entries
-that share it, against their first ``k_lengths[b]`` keys. Each dense call aligns causal and
-window masking to its own bottom-right corner, which is the per-sequence (per-length)
-alignment of the contract, and validates and dispatches like any other call.
+keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
+A call with ``k_lengths`` is one dense call per distinct entry of the lengths array: the
+batch entries that share it, against their first ``k_lengths[b]`` keys. Each dense call is
+a view of the validated call, run on its backend without validating it again; it aligns
+causal and window masking to its own bottom-right corner, which is the per-sequence
+(per-length) alignment of the contract.
 """
 from __future__ import annotations
 
@@ -85,22 +84,27 @@ def _run_into(part: AttentionCall, lse) -> None:
 
 def forward(call: AttentionCall, ragged: Ragged):
     """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
-    from .attention import attention
-    xp, kw = call.xp, {**call.keywords(), "window": call.window}
+    xp = call.xp
     out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
     lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
-    q, k, v = call.q, call.k, call.v
     if ragged.k_lengths is None:
         for rows, keys in _sequences(ragged):
             _run_into(_sequence(call, out, rows, keys), lse[..., rows])
         return out, lse
     for sel, n in _groups(call, ragged):
-        _, lse[sel] = attention(_select(q, sel), _keys(_select(k, sel), n, -2),
-                                _keys(_select(v, sel), n, -2), mask=_keys(
-                                    _select(call.mask, sel), n, -1),
-                                bias=_keys(_select(call.bias, sel), n, -1), return_lse=True,
-                                out=out[sel], **kw)
+        _run_into(_group(call, out, sel, n), lse[sel])
     return out, lse
+
+
+def _group(call: AttentionCall, out, sel: tuple, n: int) -> AttentionCall:
+    """The batch entries ``sel`` of a validated call against their first ``n`` keys: views
+    of its arrays, valid as they are, into their entries of ``out``, with their lse."""
+    batch = tuple(m if s == slice(None) else 1 for s, m in zip(sel, call.batch_shape))
+    return dataclasses.replace(
+        call, q=_select(call.q, sel), k=_keys(_select(call.k, sel), n, -2),
+        v=_keys(_select(call.v, sel), n, -2), mask=_keys(_select(call.mask, sel), n, -1),
+        bias=_keys(_select(call.bias, sel), n, -1), out=out[sel], batch_shape=batch,
+        seqlen_k=n, return_lse=True)
 
 
 def backward(call: AttentionCall, ragged: Ragged, dout, out, lse):
