@@ -32,8 +32,9 @@ __all__ = ["fold_groups", "run_folded", "split_count", "buffers", "parts", "forw
 
 #: fewest keys per chunk: shorter chunks cost more in merging than they gain in blocks
 MIN_CHUNK = 1024
-#: most chunks: the parts one merge launch combines (cuda/merge.cu)
-MAX_CHUNKS = 8
+#: most chunks: enough for two blocks per SM of an H200 from 4 blocks of rows; the merge
+#: (one launch, any number of stacked parts) reads each part once
+MAX_CHUNKS = 64
 #: query rows per block that the count of blocks assumes (the forward tiles' BLOCK_M)
 ROWS_PER_BLOCK = 64
 

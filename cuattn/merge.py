@@ -5,11 +5,12 @@ import math
 
 import numpy as np
 
-from ._checks import check_merge, lse_dtype
+from ._checks import check_merge, loaded_cupy, lse_dtype
 
 __all__ = ["merge_attention", "merge_instances", "merge_stacked"]
 
-#: parts one launch of cuda/merge.cu combines (MergeParams holds this many pointers)
+#: parts at addresses of their own that one launch of cuda/merge.cu combines (MergeParams
+#: holds this many pointers; parts stacked on one axis have no such limit)
 KERNEL_PARTS = 8
 _THREADS = 256
 
@@ -90,17 +91,17 @@ def merge_instances() -> list[str]:
 def merge_stacked(parts, lses, out=None):
     """:func:`merge_attention` of parts stacked on one axis, for callers that made them:
     ``parts`` (..., n, Sq, Dv) and ``lses`` (..., n, Sq) of the lse dtype; the result goes
-    into ``out`` when given. Unvalidated: the split-key forward calls it on its own buffers,
-    and on CuPy (n <= 8) it reads the parts in place, without a view per part."""
+    into ``out`` when given. Unvalidated: the split-key composition calls it on its own
+    buffers; on CuPy one launch reads the n parts in place, stepping along their axis."""
     n = parts.shape[-3]
-    if isinstance(parts, np.ndarray) or n > KERNEL_PARTS or parts.size == 0:
+    cupy = loaded_cupy()
+    if cupy is None or not isinstance(parts, cupy.ndarray) or parts.size == 0:
         merged, lse = merge_attention([parts[..., i, :, :] for i in range(n)],
                                       [lses[..., i, :] for i in range(n)])
         if out is None:
             return merged, lse
         out[...] = merged
         return out, lse
-    import cupy
     if out is None:
         out = cupy.empty(parts.shape[:-3] + parts.shape[-2:], parts.dtype)
     lse = cupy.empty(lses.shape[:-2] + lses.shape[-1:], lses.dtype)
@@ -110,20 +111,19 @@ def merge_stacked(parts, lses, out=None):
 
 
 class _StackedMerge:
-    """The merge launch of n <= KERNEL_PARTS parts stacked on one axis, planned for one
-    layout of parts, lses, out and lse (:func:`stacked_plan`); called with the addresses of
-    out, lse, parts and lses and the stream."""
+    """The merge launch of any number of parts stacked on one axis (the kernel steps from
+    one part to the next), planned for one layout of parts, lses, out and lse
+    (:func:`stacked_plan`); called with the addresses of out, lse, parts and lses and the
+    stream."""
 
-    def __init__(self, loop, n: int, part_step: int, lse_step: int):
-        self._loop, self._n, self._steps = loop, n, (part_step, lse_step)
+    def __init__(self, loop):
+        self._loop = loop
+        self._missing = [0] * (KERNEL_PARTS - 1)
 
     def __call__(self, out_ptr: int, lse_ptr: int, parts_ptr: int, lses_ptr: int,
                  stream_ptr: int) -> None:
-        part_step, lse_step = self._steps
-        missing = [0] * (KERNEL_PARTS - self._n)
-        self._loop([out_ptr, lse_ptr, *(parts_ptr + i * part_step for i in range(self._n)),
-                    *missing, *(lses_ptr + i * lse_step for i in range(self._n)), *missing],
-                   stream_ptr)
+        missing = self._missing
+        self._loop([out_ptr, lse_ptr, parts_ptr, *missing, lses_ptr, *missing], stream_ptr)
 
 
 #: stacked merges by layout (:func:`stacked_plan`)
@@ -132,16 +132,16 @@ _stacked_plans: dict = {}
 
 def stacked_plan(parts, lses, out, lse) -> _StackedMerge:
     """The merge launch of CuPy parts (..., n, Sq, Dv) and lses (..., n, Sq) into out and
-    lse, kept per layout; n <= KERNEL_PARTS and at least one row."""
+    lse, kept per layout; at least one row and one column."""
     key = (parts.data.device_id, parts.shape, parts.dtype, parts.strides, lses.strides,
            out.strides, lse.strides)
     plan = _stacked_plans.get(key)
     if plan is None:
         from ._launch import LaunchLoop
+        steps = (parts.strides[-3] // parts.itemsize, lses.strides[-2] // lses.itemsize)
         launch, offset_sets = _merge_plan(parts[..., 0, :, :], lses[..., 0, :],
-                                          parts.shape[-3], out, lse)
-        plan = _StackedMerge(LaunchLoop(launch, offset_sets), parts.shape[-3],
-                             parts.strides[-3], lses.strides[-2])
+                                          parts.shape[-3], out, lse, steps)
+        plan = _StackedMerge(LaunchLoop(launch, offset_sets))
         if len(_stacked_plans) >= 256:
             _stacked_plans.clear()
         _stacked_plans[key] = plan
@@ -195,9 +195,11 @@ def _merge_parts(part, part_lse, part_ptrs, lse_ptrs, out=None):
     return out, lse
 
 
-def _merge_plan(part, part_lse, parts: int, out, lse):
+def _merge_plan(part, part_lse, parts: int, out, lse, steps=None):
     """(Launch, byte offsets of each slot per launch) of a merge of ``parts`` parts laid
-    out as ``part`` and ``part_lse`` into ``out`` and ``lse``."""
+    out as ``part`` and ``part_lse`` into ``out`` and ``lse``: up to KERNEL_PARTS parts at
+    addresses of their own, or, with ``steps`` (elements from one part's output and lse to
+    the next), any number stacked, addressed by the first part's slots."""
     from ._kernels import c_type_name, get_kernel
     from ._launch import Launch, broadcast_strides, layout, stride_fields
     from ._params import new_block
@@ -209,15 +211,18 @@ def _merge_plan(part, part_lse, parts: int, out, lse):
     def rows_of(x):
         return x, broadcast_strides(x, batch + x.shape[-1:]) + [0]
 
-    missing = [(None, None)] * (KERNEL_PARTS - parts)
-    tensors = ([matrix(out), rows_of(lse)] + [matrix(part)] * parts + missing
-               + [rows_of(part_lse)] * parts + missing)
+    slots = 1 if steps else parts
+    missing = [(None, None)] * (KERNEL_PARTS - slots)
+    tensors = ([matrix(out), rows_of(lse)] + [matrix(part)] * slots + missing
+               + [rows_of(part_lse)] * slots + missing)
     extents, strides, pointer_sets = layout(batch, tensors)
     bases = [0 if x is None else x.data.ptr for x, _ in tensors]
     offset_sets = [[p - b for p, b in zip(pointers, bases)] for pointers in pointer_sets]
     entries = math.prod(extents)
+    part_out_step, part_lse_step = steps or (0, 0)
     block = new_block("MergeParams", parts=parts, entries=entries, batch1=extents[1],
-                      batch2=extents[2], rows=rows, cols=cols,
+                      batch2=extents[2], rows=rows, cols=cols, part_out_step=part_out_step,
+                      part_lse_step=part_lse_step,
                       **stride_fields(("out", "lse", "part_out"), strides[:15]),
                       part_lse_s=tuple(strides[5 * (2 + KERNEL_PARTS):][:5]))
     names = (("out", "lse") + tuple(f"part_out{i}" for i in range(KERNEL_PARTS))

@@ -107,7 +107,7 @@ def fake_cupy(monkeypatch, emulate, expected_pointers, threads, arrays: list):
         return allocated(np.ascontiguousarray(x, dtype=dtype).view(HostDevice))
 
     fake = types.SimpleNamespace(
-        asarray=asarray, ascontiguousarray=asarray,
+        ndarray=HostDevice, asarray=asarray, ascontiguousarray=asarray,
         empty=lambda shape, dtype: allocated(np.empty(shape, dtype).view(HostDevice)),
         cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)

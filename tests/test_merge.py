@@ -134,8 +134,12 @@ def _emulate_merge_parts(memory, dtype):
     def run(block, pointers, grid):
         f = fields(block)
         out, lse = pointers[:2]
-        part_out, part_lse = pointers[2:2 + 8], pointers[10:18]
         item, acc_item = np.dtype(dtype).itemsize, np.dtype(acc).itemsize
+        part_out, part_lse = pointers[2:2 + 8], pointers[10:18]
+        if f["part_out_step"]:  # stacked parts: the first address and a step
+            part_out = [part_out[0] + i * f["part_out_step"] * item for i in range(f["parts"])]
+            part_lse = [part_lse[0] + i * f["part_lse_step"] * acc_item
+                        for i in range(f["parts"])]
         for b in range(f["entries"]):
             for row in range(f["rows"]):
                 at = batch_offset(f["part_lse_s"], b, f) + row * f["part_lse_s"]["row"]
@@ -206,25 +210,29 @@ def test_device_merge_launch_on_host_memory(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.float32], ids=str)
-def test_device_merge_of_stacked_parts_on_host_memory(dtype, monkeypatch):
-    """merge_stacked on CuPy: parts read in place along their axis (as the split-key forward
-    makes them), written into a strided out=, through the emulation of cuda/merge.cu."""
+@pytest.mark.parametrize("n", [5, 19])
+def test_device_merge_of_stacked_parts_on_host_memory(dtype, n, monkeypatch):
+    """merge_stacked on CuPy: n parts read in place along their axis (as the split-key
+    forward makes them; more than the kernel's eight addresses too), written into a strided
+    out=, through the emulation of cuda/merge.cu, in one launch."""
     from _hostdev import Memory, fake_cupy, on_device
 
     from cuattn import merge
     rng = np.random.default_rng(4)
-    parts = rng.standard_normal((2, 3, 5, 7, 6)).astype(dtype)      # (..., n=5, Sq, Dv)
-    lses = rng.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    parts = rng.standard_normal((2, 3, n, 7, 6)).astype(dtype)      # (..., n, Sq, Dv)
+    lses = rng.standard_normal((2, 3, n, 7)).astype(np.float32)
     lses[1, 2, :, 3] = -np.inf                                       # a row without keys
     out = np.full((2, 3, 7, 12), np.nan, dtype)[..., ::2]            # strided out=
     names = (("out", "lse") + tuple(f"part_out{i}" for i in range(8))
              + tuple(f"part_lse{i}" for i in range(8)))
     arrays = [parts, lses, out]
-    fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256, arrays)
+    grids = fake_cupy(monkeypatch, _emulate_merge_parts(Memory(arrays), dtype), names, 256,
+                      arrays)
     monkeypatch.setattr(merge, "_stacked_plans", {})  # plans made with the stand-in Launch
-    want, want_lse = merge.merge_attention([parts[..., i, :, :] for i in range(5)],
-                                           [lses[..., i, :] for i in range(5)])
+    want, want_lse = merge.merge_attention([parts[..., i, :, :] for i in range(n)],
+                                           [lses[..., i, :] for i in range(n)])
     got, got_lse = merge.merge_stacked(on_device(parts), on_device(lses), out=on_device(out))
+    assert len(grids) == 1
     assert np.shares_memory(got, out)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-6)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)

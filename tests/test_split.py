@@ -47,11 +47,12 @@ def _call(batch, sq, sk, **kw):
 
 def test_split_count():
     sms = 132
-    assert _split.split_count(_call((1, 32), 1, 32768), sms) == 8     # decode: 32 blocks
+    assert _split.split_count(_call((1, 32), 1, 32768), sms) == 9     # decode: 32 blocks
     assert _split.split_count(_call((1, 32), 1, 4096), sms) == 4      # chunks >= 1024 keys
     assert _split.split_count(_call((8, 32), 1, 32768), sms) == 1     # 256 blocks: enough
     assert _split.split_count(_call((1, 32), 1, 1500), sms) == 1      # too few keys
-    assert _split.split_count(_call((1, 4), 16, 65536, causal=True), sms) == 8
+    assert _split.split_count(_call((1, 4), 16, 65536, causal=True), sms) == 64  # at most
+    assert _split.split_count(_call((1, 8), 4, 131072), sms) == 33    # GQA B1 Hk8 folded
     mask = np.ones((1, 32768), bool)
     assert _split.split_count(_call((1, 32), 1, 32768, mask=mask), sms) == 1
     assert _split.split_count(_call((1, 32), 1, 32768, window=(100, 0)), sms) == 1
@@ -170,12 +171,13 @@ def test_gpu_folded_groups(dtype, sq, layout, kw):
     assert_accurate(cp.asnumpy(buf), ref, naive)
 
 
-@pytest.mark.parametrize("q_lead, sq, kw", [
-    ((1, 2), 1, {}),                          # decode: 2 blocks on 8 SMs, 4 chunks
-    ((1, 2, 3), 1, {"causal": True}),         # GQA: the 3 query groups fold into rows
-    ((1, 2), 4, {"causal": True, "softcap": 20.0}),
+@pytest.mark.parametrize("q_lead, sq, sk, kw", [
+    ((1, 2), 1, 4100, {}),                    # decode: 2 blocks on 8 SMs, 4 chunks
+    ((1, 2, 3), 1, 4100, {"causal": True}),   # GQA: the 3 query groups fold into rows
+    ((1, 2), 4, 4100, {"causal": True, "softcap": 20.0}),
+    ((1, 1), 1, 9300, {}),                    # 9 chunks: more than 8 parts in one merge
 ])
-def test_split_plan_replays_on_host_memory(q_lead, sq, kw, monkeypatch):
+def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     """The GPU backend's split-key plan (two part launches and the merge), through a CuPy
     stand-in on host memory: the first call plans it, a repeated call on new arrays replays
     it without validating or planning again, at the new arrays' addresses, and both equal
@@ -190,7 +192,7 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, kw, monkeypatch):
     arrays, launches = [], []
     device = fake_gpu(monkeypatch, arrays, launches, np.float16,
                       {"merge": _emulate_merge_parts(Memory(arrays), np.float16)})
-    sk, d = 4100, 8
+    d = 8
     kv_lead = q_lead[:2] + (1,) * (len(q_lead) - 2)
     rng = np.random.default_rng(sq)
 
