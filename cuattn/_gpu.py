@@ -30,7 +30,7 @@ from ._launch import (
 from ._params import new_block
 from .merge import stacked_plan
 
-__all__ = ["forward", "backward", "repeated_call"]
+__all__ = ["forward", "forward_parts", "backward", "repeated_call"]
 
 #: the forward's parameter-block slots (AttnParams), in order: a call writes their pointers
 FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias")
@@ -257,6 +257,42 @@ def _run(call: AttentionCall, kernel, tiles, split: bool, lse=None):
     plan([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)],
          cupy.cuda.get_current_stream().ptr)
     return out, lse, plan
+
+
+#: streams per device on which the dense parts of a packed or key-length call run side by
+#: side (:func:`forward_parts`)
+PART_STREAMS = 4
+_part_streams: dict = {}  # device id -> its PART_STREAMS streams
+
+
+def forward_parts(parts) -> None:
+    """Run the dense parts of one validated CuPy call, each ``(call, lse)`` writing its
+    part of the call's out (``call.out``) and of its lse, side by side: in turn on
+    PART_STREAMS streams that first wait for the current stream's work so far, and which
+    the current stream then waits for. Parts with few blocks (short sequences, one batch
+    entry of a key length) so overlap; the current stream sees one call."""
+    if len(parts) < 2:
+        for part, lse in parts:
+            forward(part, lse=lse)
+        return
+    cupy = parts[0][0].xp
+    device = parts[0][0].q.data.device_id
+    if cupy.cuda.runtime.getDevice() != device:
+        with cupy.cuda.Device(device):
+            return forward_parts(parts)
+    streams = _part_streams.get(device)
+    if streams is None:
+        streams = _part_streams[device] = [cupy.cuda.Stream(non_blocking=True)
+                                           for _ in range(PART_STREAMS)]
+    current = cupy.cuda.get_current_stream()
+    forked = current.record()
+    for stream in streams:
+        stream.wait_event(forked)
+    for i, (part, lse) in enumerate(parts):
+        with streams[i % len(streams)]:
+            forward(part, lse=lse)
+    for stream in streams:
+        current.wait_event(stream.record())
 
 
 class _SplitLaunch:

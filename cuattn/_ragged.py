@@ -4,9 +4,9 @@ A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]
 keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
 A call with ``k_lengths`` is one dense call per distinct entry of the lengths array: the
 batch entries that share it, against their first ``k_lengths[b]`` keys. Each dense call is
-a view of the validated call, run on its backend without validating it again; it aligns
-causal and window masking to its own bottom-right corner, which is the per-sequence
-(per-length) alignment of the contract.
+a view of the validated call, run on its backend without validating it again (on the GPU,
+side by side on a few streams); it aligns causal and window masking to its own
+bottom-right corner, which is the per-sequence (per-length) alignment of the contract.
 """
 from __future__ import annotations
 
@@ -71,28 +71,23 @@ def _sequence(call: AttentionCall, out, rows: slice, keys: slice) -> AttentionCa
                                seqlen_k=keys.stop - keys.start, return_lse=True)
 
 
-def _run_into(part: AttentionCall, lse) -> None:
-    """Run a validated dense part on its backend: its output into ``part.out``, its lse
-    into ``lse`` (a view of the whole call's)."""
-    if part.xp is np:
-        from ._cpu import attention_forward
-        _, lse[...] = attention_forward(part)
-    else:
-        from ._gpu import forward
-        forward(part, lse=lse)
-
-
 def forward(call: AttentionCall, ragged: Ragged):
     """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
     xp = call.xp
     out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
     lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
     if ragged.k_lengths is None:
-        for rows, keys in _sequences(ragged):
-            _run_into(_sequence(call, out, rows, keys), lse[..., rows])
-        return out, lse
-    for sel, n in _groups(call, ragged):
-        _run_into(_group(call, out, sel, n), lse[sel])
+        parts = [(_sequence(call, out, rows, keys), lse[..., rows])
+                 for rows, keys in _sequences(ragged)]
+    else:
+        parts = [(_group(call, out, sel, n), lse[sel]) for sel, n in _groups(call, ragged)]
+    if xp is np:
+        from ._cpu import attention_forward
+        for part, part_lse in parts:
+            _, part_lse[...] = attention_forward(part)
+    else:
+        from ._gpu import forward_parts
+        forward_parts(parts)
     return out, lse
 
 

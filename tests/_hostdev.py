@@ -148,8 +148,9 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     """A CuPy stand-in for the GPU backend's forward path, on host memory: the class it
     returns makes arrays that cuattn takes for CuPy arrays (allocations join ``arrays``);
     kernels are emulated, the forward's by :func:`emulate_forward` on inputs of ``dtype``,
-    others by ``emulations`` (name prefix -> emulation); each launch is appended to
-    ``launches`` as (kernel, pointers). Plans made here stay here."""
+    others by ``emulations`` (name prefix -> emulation), at once (streams only record what
+    they are asked: ``sys.modules["cupy"].streams``); each launch is appended to
+    ``launches`` as (kernel, pointers, stream). Plans made here stay here."""
     import cuattn._checks
     import cuattn._gpu
     import cuattn._kernels
@@ -170,16 +171,42 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
             self.fn, self.grid, self.block = fn, grid, block
 
         def __call__(self, pointers, stream, *per_call):
-            launches.append((self.fn, tuple(pointers)))
+            launches.append((self.fn, tuple(pointers), stream))
             run = next((e for name, e in emulations.items() if self.fn.startswith(name)),
                        forward)
             run(self.block, pointers, self.grid)
 
+    class Stream:
+        """A stream: its ptr, the events it recorded and waited for, and as a context
+        manager the current stream."""
+        current = None
+
+        def __init__(self, non_blocking=False):
+            self.ptr, self.recorded, self.waited = 1 + len(streams), [], []
+            streams.append(self)
+
+        def record(self):
+            event = object()
+            self.recorded.append(event)
+            return event
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+        def __enter__(self):
+            self.previous, Stream.current = Stream.current, self
+            return self
+
+        def __exit__(self, *exc):
+            Stream.current = self.previous
+
+    streams = []
+    Stream.current = Stream()  # the null stream, ptr 1
     fake = types.SimpleNamespace(
         ndarray=Device, empty=Device, copyto=np.copyto, ascontiguousarray=np.ascontiguousarray,
-        lib=np.lib,
+        lib=np.lib, streams=streams,
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+                                   Stream=Stream, get_current_stream=lambda: Stream.current))
     real_as_array = cuattn._checks.as_array
     monkeypatch.setitem(sys.modules, "cupy", fake)
     for module in [m for n, m in sys.modules.items() if n.startswith("cuattn")]:
@@ -193,6 +220,6 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
     monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
     for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
-                         (merge, "_stacked_plans")):
+                         (cuattn._gpu, "_part_streams"), (merge, "_stacked_plans")):
         monkeypatch.setattr(module, name, {})
     return Device

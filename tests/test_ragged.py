@@ -127,6 +127,55 @@ def test_key_lengths(dtype, window):
     assert not np.any(grads[1][:, :, 9:])  # keys past every length get no gradient
 
 
+@pytest.mark.parametrize("kind", ["packed", "lengths"])
+def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
+    """The GPU path of packed sequences and of key lengths, through a CuPy stand-in on host
+    memory (emulated forward kernel): each dense part writes its rows of out and lse in
+    place; the parts run in turn on the part streams, which wait for the caller's stream,
+    which then waits for each of them; the results are the float64 reference's."""
+    import sys
+
+    from _hostdev import fake_gpu
+
+    from cuattn import _gpu
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16)
+
+    def on_device(a):
+        d = device(a.shape, a.dtype)
+        d[...] = a
+        return d
+
+    rng = np.random.default_rng(11)
+    if kind == "packed":
+        q, k, v, qo, ko = _packed(rng, np.float16, [3, 0, 17, 1, 40, 5], [4, 2, 0, 9, 33, 0])
+        args, mask, parts = {"q_offsets": qo, "k_offsets": ko}, packed_mask(qo, ko, (-1, 0)), 5
+        given_mask = None
+    else:
+        lengths = np.array([[9], [0], [4]])
+        q = rng.standard_normal((3, 2, 5, 16)).astype(np.float16)
+        k = rng.standard_normal((3, 1, 12, 16)).astype(np.float16)
+        v = rng.standard_normal((3, 2, 12, 8)).astype(np.float16)
+        given_mask = rng.random((1, 12)) > 0.2
+        args = {"k_lengths": lengths, "mask": on_device(given_mask)}
+        mask, parts = lengths_mask(lengths, (3, 2), 5, 12, (-1, 0)) & given_mask, 3
+    out, lse = cuattn.attention(on_device(q), on_device(k), on_device(v), causal=True,
+                                return_lse=True, **args)
+    ref, ref_lse = attention_reference(q, k, v, mask=mask)
+    assert type(out) is device and type(lse) is device
+    assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    caller, *side = sys.modules["cupy"].streams
+    assert len(side) == _gpu.PART_STREAMS
+    assert [s.waited for s in side] == [caller.recorded[:1]] * len(side)   # the fork
+    assert caller.waited == [s.recorded[0] for s in side]                  # the join
+    used = [stream for *_, stream in launches]
+    assert len(used) == parts and set(used) <= {s.ptr for s in side}
+    assert len(set(used)) == min(parts, _gpu.PART_STREAMS)
+
+
 def test_key_lengths_equal_to_a_shorter_dense_call():
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (4, 10, 10))

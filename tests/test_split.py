@@ -216,7 +216,7 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
         assert out.shape == ref.shape and out.dtype == np.float16
         assert_accurate(out, ref, naive_attention(*host, **kw))
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-        runs.append(([fn for fn, _ in launches], {p for _, ptrs in launches for p in ptrs}))
+        runs.append(([fn for fn, *_ in launches], {p for _, ptrs, _ in launches for p in ptrs}))
     assert len(checks) == 1                     # the second call: no validation, no planning
     names, first_pointers = runs[0]
     assert runs[1][0] == names and len(names) == 3 and names[-1].startswith("merge")
