@@ -4,8 +4,8 @@
     PYTHONPATH=. python tools/host_overhead.py --profile [WORD]  # and a cProfile of a row
 
 Calls are issued back to back without synchronisation, so a row measures the host side
-where its GPU work is shorter (a few microseconds for the attention rows; the decode and
-layer rows print the larger of the two).
+where its GPU work is shorter (a few microseconds for the attention rows; the decode,
+packed, key-length and layer rows print the larger of the two).
 """
 import cProfile
 import pstats
@@ -13,6 +13,7 @@ import sys
 import time
 
 import cupy as cp
+import numpy as np
 
 import cuattn
 
@@ -44,6 +45,13 @@ def main():
     lw = [cp.random.standard_normal((768, 768), dtype=cp.float32).astype(cp.float16) / 28
           for _ in range(4)]
     lb = [cp.zeros(768, cp.float16) for _ in range(4)]
+    # 16 packed sequences of 16 rows each; a decoding batch of 16 entries with 16 distinct
+    # key lengths (16 dense parts each, run side by side)
+    pq = cp.random.standard_normal((1, 2, 256, 64), dtype=cp.float32).astype(cp.float16)
+    offsets = np.arange(0, 257, 16)
+    kq = cp.random.standard_normal((16, 8, 1, 64), dtype=cp.float32).astype(cp.float16)
+    kc = cp.random.standard_normal((16, 8, 512, 64), dtype=cp.float32).astype(cp.float16)
+    lengths = np.arange(100, 500, 25)[:, None]
     rows = {
         "attention fp16 (1, 2, 16, 64)": lambda: cuattn.attention(q, q, q),
         "attention fp16 causal + mask": lambda: cuattn.attention(q, q, q, causal=True, mask=mask),
@@ -52,6 +60,10 @@ def main():
         "decode fp16 Hq32 Hk8 Sk2048 (folded)": lambda: cuattn.attention(gq, gk, gk),
         "multi_head_attention fp16 B1 N197 E768": lambda: cuattn.multi_head_attention(
             lx, *lw, num_heads=12, b_q=lb[0], b_k=lb[1], b_v=lb[2], b_o=lb[3]),
+        "packed fp16 16 sequences of 16 rows": lambda: cuattn.attention(
+            pq, pq, pq, q_offsets=offsets, k_offsets=offsets),
+        "k_lengths fp16 B16, 16 distinct lengths": lambda: cuattn.attention(
+            kq, kc, kc, k_lengths=lengths),
         "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
         "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
     }
