@@ -19,7 +19,8 @@ import numpy as np
 __all__ = ["AttentionCall", "check_attention", "check_backward", "as_array", "may_overlap",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "lse_dtype", "check_flag", "loaded_cupy",
            "sum_to_shape", "check_merge", "mixed_kinds", "Ragged", "check_ragged",
-           "CacheAppend", "check_cache_append", "check_precision", "broadcasts_to"]
+           "CacheAppend", "check_cache_append", "check_precision", "broadcasts_to",
+           "Paged", "check_paged"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -456,6 +457,86 @@ def _index_array(x, name: str, xp, ref, ref_name: str):
                          f"{ref.data.device_id}")
     return x
 
+
+@dataclass(slots=True)
+class Paged:
+    """Validated paged keys and values (``block_table``): the pools ``(num_pages, ...,
+    page_size, D)``, the table ``(B, max_pages)`` (int64 NumPy, or a CuPy integer array),
+    and the stand-ins: zero-stride views of the pools with the shape of the keys and values
+    the table describes, ``(B, ..., max_pages · page_size, D)``, under which the call is
+    validated as a dense one."""
+    k_pages: Any
+    v_pages: Any
+    table: Any
+    k: Any
+    v: Any
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[-2]
+
+
+def check_paged(q, k_pages, v_pages, block_table, out=None) -> Paged:
+    """Validate the pools and the page table of a paged call (docs/semantics.rst, "Paged
+    keys and values"), and that ``out`` does not overlap the pools; the rest is validated
+    as the dense call of its stand-ins."""
+    q, xp = as_array(q, "q")
+    pools = []
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        x, xm = as_array(x, name)
+        if xm is not xp:
+            raise mixed_kinds(name, xm, "q", xp)
+        if x.ndim < 3:
+            raise ValueError(f"{name} must have at least 3 dims (num_pages, ..., page_size, "
+                             f"D), got shape {x.shape}")
+        pools.append(x)
+    k_pages, v_pages = pools
+    if k_pages.shape[:-1] != v_pages.shape[:-1]:
+        raise ValueError(f"k_pages and v_pages must have the same pages, page size and "
+                         f"leading dims (all but the head dim), got {k_pages.shape} and "
+                         f"{v_pages.shape}")
+    if k_pages.shape[-2] < 1:
+        raise ValueError(f"the page size (k_pages.shape[-2]) must be at least 1, got shape "
+                         f"{k_pages.shape}")
+    if out is not None:
+        out, xo = as_array(out, "out")
+        for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if xo is xp and may_overlap(out, x):
+                raise ValueError(f"out overlaps {name}; it must be a separate array")
+    table = _index_array(block_table, "block_table", xp, q, "q")
+    if table.ndim != 2:
+        raise ValueError(f"block_table must be 2-D (B, max_pages), got shape {table.shape}")
+    stand_ins = []
+    for x in pools:
+        rows = table.shape[1] * x.shape[-2]
+        shape = (table.shape[0],) + x.shape[1:-2] + (rows, x.shape[-1])
+        stand_ins.append(xp.broadcast_to(x[:1, ..., :1, :], shape))
+    return Paged(k_pages=k_pages, v_pages=v_pages, table=table, k=stand_ins[0],
+                 v=stand_ins[1])
+
+
+def check_pages_used(paged: Paged, lengths) -> int:
+    """The table columns that the host key ``lengths`` (validated, broadcast to the batch
+    shape) reach; for a host table, checks that each of them names a page of the pools
+    wherever an entry reaches it (the columns past an entry's length are not read)."""
+    page_size, rows = paged.page_size, paged.table.shape[0]
+    axis = lengths.ndim - (paged.k_pages.ndim - 2)  # the batch axis of the table's rows
+    per_row = lengths.max(axis=tuple(a for a in range(lengths.ndim) if a != axis),
+                          initial=0) if lengths.size else np.zeros(rows, np.int64)
+    if per_row.shape[0] != rows:  # one table row for every entry along the axis
+        per_row = per_row.max(keepdims=True, initial=0)
+    pages = -(-per_row // page_size)
+    used = int(pages.max(initial=0))
+    if isinstance(paged.table, np.ndarray) and used:
+        table = paged.table[:, :used]
+        bad = (np.arange(used) < pages[:, None]) & ((table < 0)
+                                                    | (table >= paged.k_pages.shape[0]))
+        if bad.any():
+            b, p = np.argwhere(bad)[0]
+            raise ValueError(f"block_table[{b}, {p}] = {table[b, p]} is not a page of the "
+                             f"pools (0 to {paged.k_pages.shape[0] - 1}), and entry {b} "
+                             f"reaches that column (k_lengths)")
+    return used
 
 def _length(value, name: str, limit: int, longest: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

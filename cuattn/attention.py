@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cpu, _gpu, _ragged
+from . import _cpu, _gpu, _paged, _ragged
 from ._checks import (
     AttentionCall,
     check_attention,
     check_backward,
+    check_paged,
     check_ragged,
 )
 
@@ -21,7 +22,8 @@ __all__ = ["attention", "attention_backward", "attention_vjp"]
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
               softcap=None, return_lse=False, precision=None, out=None, q_offsets=None,
-              k_offsets=None, max_q_len=None, max_k_len=None, k_lengths=None):
+              k_offsets=None, max_q_len=None, max_k_len=None, k_lengths=None,
+              block_table=None):
     """Exact scaled dot-product attention, ``softmax(scale · q kᵀ + bias) v``, in O(S) memory.
 
     Parameters
@@ -65,6 +67,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     k_lengths : int ndarray, optional
         Broadcastable to the batch shape: entry b has only its first ``k_lengths[b]`` keys,
         and causal and window align to that length.
+    block_table : (B, max_pages) int ndarray, optional
+        Paged keys and values: k and v are pools of pages ``(num_pages, ..., page_size,
+        D)`` and row b lists the pages of batch entry b in order; the call is the dense
+        call on keys ``(B, ..., max_pages · page_size, D)`` made of those pages. Needs
+        ``k_lengths``; the columns past an entry's length are not read.
 
     Returns
     -------
@@ -97,7 +104,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     ((2, 4, 16, 8), (2, 4, 16), dtype('float32'))
     """
     ragged_args = (q_offsets, k_offsets, max_q_len, max_k_len, k_lengths)
-    plain = all(x is None for x in ragged_args)
+    plain = all(x is None for x in ragged_args) and block_table is None
     if out is None and plain:
         result = _gpu.repeated_call(q, k, v, mask, bias, window, scale, causal, softcap,
                                     return_lse, precision)
@@ -105,16 +112,23 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
             return result
     if _any_dask(q, k, v, mask, bias):
         if not plain:
-            raise NotImplementedError("packed sequences and k_lengths are not supported "
-                                      "with Dask arrays")
+            raise NotImplementedError(_NO_DASK)
         from . import _dask
         return _dask.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                                bias=bias, softcap=softcap, return_lse=return_lse,
                                precision=precision, out=out)
+    paged = None
+    if block_table is not None:
+        if k_lengths is None:
+            raise ValueError("block_table needs k_lengths (the keys of each batch entry)")
+        paged = check_paged(q, k, v, block_table, out)
+        k, v = paged.k, paged.v  # validated as the dense call the pages make
     call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                            bias=bias, softcap=softcap, return_lse=return_lse,
                            precision=precision, out=out)
     ragged = None if plain else _check_ragged(call, *ragged_args)
+    if paged is not None:
+        call = _paged.gathered(call, paged, ragged)
     out, lse = _forward(call) if ragged is None else _ragged.forward(call, ragged)
     return (out, lse) if call.return_lse else out
 
@@ -176,8 +190,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     plain = all(x is None for x in ragged_args)
     if _any_dask(dout, q, k, v, out, lse, mask, bias):
         if not plain:
-            raise NotImplementedError("packed sequences and k_lengths are not supported "
-                                      "with Dask arrays")
+            raise NotImplementedError(_NO_DASK)
         from . import _dask
         return _dask.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal,
                                         window=window, mask=mask, bias=bias, softcap=softcap,
@@ -215,8 +228,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
     plain = all(x is None for x in ragged_kw.values())
     if _any_dask(q, k, v, mask, bias):
         if not plain:
-            raise NotImplementedError("packed sequences and k_lengths are not supported "
-                                      "with Dask arrays")
+            raise NotImplementedError(_NO_DASK)
         from . import _dask
         return _dask.attention_vjp(q, k, v, **kwargs)
     if not plain:
@@ -233,6 +245,10 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, mask=None, 
         return attention_backward(dout, q, k, v, out, lse, **kwargs)
 
     return out, vjp
+
+
+_NO_DASK = ("packed sequences, k_lengths and block_table are not supported with Dask "
+            "arrays")
 
 
 def _check_ragged(call: AttentionCall, *ragged_args):

@@ -1,0 +1,57 @@
+"""Paged keys and values: ``attention(q, k_pages, v_pages, k_lengths=..., block_table=...)``.
+
+The pools hold fixed-size pages, ``(num_pages, ..., page_size, D)``; row b of the table
+lists the pages of batch entry b in order, so that its keys are the rows of those pages
+one after another: the keys and values of a dense call ``(B, ..., max_pages · page_size,
+D)``, which is how the call is validated (``_checks.check_paged``, then the dense checks
+on zero-stride stand-ins of that shape). It runs on the table columns that the entries'
+lengths reach: their pages are gathered into one array for the keys and one for the values
+(one indexed copy each), and the call goes on as a call with key lengths (``_ragged``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ._checks import AttentionCall, Paged, Ragged, check_pages_used
+
+__all__ = ["gathered"]
+
+
+def gathered(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall:
+    """The call validated on ``paged``'s stand-ins, on the gathered keys and values of the
+    pages its (host) key lengths reach, its mask and bias cut to those keys."""
+    used = check_pages_used(paged, ragged.k_lengths)
+    keys = used * paged.page_size
+    mask, bias = (None if x is None else x[..., :keys] if x.shape[-1] > 1 else x
+                  for x in (call.mask, call.bias))
+    return dataclasses.replace(call, k=_gather(paged.k_pages, paged.table, used),
+                               v=_gather(paged.v_pages, paged.table, used), mask=mask,
+                               bias=bias, seqlen_k=keys)
+
+
+def _gather(pool, table, used: int):
+    """``(B, ..., used · page_size, D)``: the pages of the first ``used`` table columns of
+    each row, in order, copied out of ``pool`` ``(num_pages, ..., page_size, D)``."""
+    xp = np if isinstance(pool, np.ndarray) else _module(pool)
+    num_pages, mid = pool.shape[0], pool.shape[1:-2]
+    table = table[:, :used]
+    if isinstance(table, np.ndarray):
+        # a column past an entry's length may hold anything (it is not read): page 0 there
+        table = np.where((table >= 0) & (table < num_pages), table, 0)
+        if xp is not np:
+            table = xp.asarray(table)
+    # one index array per leading axis, broadcasting to (B, *mid, used): one copy, already
+    # in the order of the keys
+    lead = len(mid)
+    index = [table.reshape((table.shape[0],) + (1,) * lead + (used,))]
+    for a, n in enumerate(mid):
+        index.append(xp.arange(n).reshape((1,) * (a + 1) + (n,) + (1,) * (lead - a)))
+    pages = pool[tuple(index)]  # (B, *mid, used, page_size, D)
+    return pages.reshape(pages.shape[:-3] + (used * pool.shape[-2], pool.shape[-1]))
+
+
+def _module(x):
+    import cupy
+    return cupy

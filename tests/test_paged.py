@@ -1,0 +1,147 @@
+"""Paged keys and values (block_table) against the dense call on the keys and values the
+pages make, and against the float64 reference with the key-length mask."""
+import ml_dtypes
+import numpy as np
+import pytest
+from _accuracy import assert_accurate, to_host
+
+import cuattn
+from cuattn.reference import attention_reference, lengths_mask, naive_attention
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+PAGE = 4
+
+
+def _pool(rng, dtype, pages=24, heads=2, d=16, dv=8):
+    """Pools of ``pages`` pages, each ``(heads, PAGE, d)`` (values: ``dv``)."""
+    return (rng.standard_normal((pages, heads, PAGE, d)).astype(dtype),
+            rng.standard_normal((pages, heads, PAGE, dv)).astype(dtype))
+
+
+def _dense(pool, table):
+    """(B, ..., max_pages * PAGE, D): the keys or values each table row names, with zeros
+    for the columns that name no page (past the entry's length)."""
+    rows = []
+    for row in table:
+        rows.append(np.concatenate([pool[p] if 0 <= p < len(pool) else np.zeros_like(pool[0])
+                                    for p in row], axis=-2))
+    return np.stack(rows)
+
+
+# the columns past each entry's length hold -1 or pages outside the pools: not read
+TABLE = np.array([[3, 7, 1, -1, 99],
+                  [0, 2, 9, 11, 4],
+                  [5, -1, -1, -1, -1],
+                  [8, 6, 10, 12, -7]])
+LENGTHS = np.array([10, 17, 3, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (3, 1), "softcap": 5.0},
+                                {"scale": 0.2}], ids=["full", "causal", "window", "scale"])
+def test_paged_equals_dense(dtype, kw):
+    rng = np.random.default_rng(0)
+    kp, vp = _pool(rng, dtype)
+    q = rng.standard_normal((4, 2, 3, 16)).astype(dtype)
+    lengths = LENGTHS[:, None]  # per table row, broadcast over the heads
+    out, lse = cuattn.attention(q, kp, vp, k_lengths=lengths, block_table=TABLE,
+                                return_lse=True, **kw)
+    k, v = _dense(kp, TABLE), _dense(vp, TABLE)
+    dense, dense_lse = cuattn.attention(q, k, v, k_lengths=lengths, return_lse=True, **kw)
+    np.testing.assert_array_equal(out, dense)
+    np.testing.assert_array_equal(lse, dense_lse)
+    window = (-1, 0) if kw.get("causal") else kw.get("window", (-1, -1))
+    full = lengths_mask(lengths, (4, 2), 3, k.shape[-2], window)
+    ref_kw = {n: x for n, x in kw.items() if n in ("scale", "softcap")}
+    ref, ref_lse = attention_reference(q, k, v, mask=full, **ref_kw)
+    assert_accurate(out, ref, naive_attention(q, k, v, mask=full, **ref_kw))
+    assert not np.any(out[3]) and np.all(lse[3] == -np.inf)  # length 0: rows of 0, -inf
+
+
+def test_paged_grouped_queries_mask_bias_and_out():
+    rng = np.random.default_rng(1)
+    kp, vp = (x[:, :, None] for x in _pool(rng, np.float64))  # (pages, Hk, 1, PAGE, D)
+    q = rng.standard_normal((4, 2, 3, 1, 16))  # 3 query heads per key head, one row
+    keys = TABLE.shape[1] * PAGE
+    mask = rng.random((4, 1, 1, 1, keys)) > 0.3
+    bias = rng.standard_normal((1, 2, 1, 1, keys))
+    lengths = LENGTHS.reshape(4, 1, 1)
+    buf = np.full((4, 2, 3, 1, 8), np.nan)
+    got = cuattn.attention(q, kp, vp, k_lengths=lengths, block_table=TABLE, mask=mask,
+                           bias=bias, causal=True, out=buf)
+    assert got is buf
+    k, v = _dense(kp, TABLE), _dense(vp, TABLE)
+    dense = cuattn.attention(q, k, v, k_lengths=lengths, mask=mask, bias=bias, causal=True)
+    np.testing.assert_array_equal(buf, dense)
+
+
+def test_one_table_row_for_every_entry():
+    rng = np.random.default_rng(2)
+    kp, vp = _pool(rng, np.float32)
+    q = rng.standard_normal((3, 2, 2, 16)).astype(np.float32)
+    table = np.array([[4, 2, 7]])  # broadcast over the 3 batch entries
+    lengths = np.array([12, 5, 9])[:, None]
+    out = cuattn.attention(q, kp, vp, k_lengths=lengths, block_table=table)
+    k, v = _dense(kp, table), _dense(vp, table)
+    np.testing.assert_array_equal(out, cuattn.attention(q, k, v, k_lengths=lengths))
+
+
+@pytest.mark.parametrize("kw, exc, text", [
+    ({"k_lengths": None}, ValueError, "needs k_lengths"),
+    ({"block_table": np.zeros((4,), int)}, ValueError, "2-D"),
+    ({"block_table": np.zeros((4, 5), np.float32)}, TypeError, "integer array"),
+    ({"block_table": np.where(TABLE == 99, 24, TABLE)}, ValueError,
+     r"block_table\[0, 3\] = -1 is not a page"),
+    ({"k_lengths": np.array([10, 21, 3, 0])[:, None]}, ValueError, "between 0 and Sk=20"),
+    ({"block_table": np.zeros((3, 5), int)}, ValueError, "do not broadcast"),
+])
+def test_errors(kw, exc, text):
+    rng = np.random.default_rng(3)
+    kp, vp = _pool(rng, np.float32)
+    q = np.ones((4, 2, 1, 16), np.float32)
+    table = TABLE.copy()
+    table[0, 3] = -1
+    args = {"k_lengths": np.array([13, 17, 3, 0])[:, None], "block_table": table}
+    args.update(kw)
+    if args["k_lengths"] is None:
+        del args["k_lengths"]
+    with pytest.raises(exc, match=text):
+        cuattn.attention(q, kp, vp, **args)
+
+
+def test_pool_errors():
+    rng = np.random.default_rng(4)
+    kp, vp = _pool(rng, np.float32)
+    q = np.ones((4, 2, 1, 16), np.float32)
+    kw = {"k_lengths": LENGTHS[:, None], "block_table": TABLE}
+    with pytest.raises(ValueError, match="at least 3 dims"):
+        cuattn.attention(q, kp[0, 0], vp, **kw)
+    with pytest.raises(ValueError, match="same pages"):
+        cuattn.attention(q, kp, vp[:5], **kw)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cuattn.attention(q, kp, vp.astype(np.float64), **kw)
+    with pytest.raises(ValueError, match="out overlaps v_pages"):
+        cuattn.attention(q, kp, vp, out=vp[:4, :, :1, :], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_paged(dtype):
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    pages, page = 40, 64
+    kp = rng.standard_normal((pages, 4, page, 64)).astype(dtype)
+    vp = rng.standard_normal((pages, 4, page, 64)).astype(dtype)
+    table = rng.permutation(pages)[:30].reshape(3, 10)
+    lengths = np.array([600, 1, 129])[:, None]
+    q = rng.standard_normal((3, 4, 2, 64)).astype(dtype)
+    dq, dkp, dvp = (cp.asarray(x) for x in (q, kp, vp))
+    k = kp[table].transpose(0, 2, 1, 3, 4).reshape(3, 4, 10 * page, 64)
+    v = vp[table].transpose(0, 2, 1, 3, 4).reshape(3, 4, 10 * page, 64)
+    full = lengths_mask(lengths, (3, 4), 2, k.shape[-2], (-1, 0))
+    ref, _ = attention_reference(q, k, v, mask=full)
+    for t in (table, cp.asarray(table)):  # a host or a device table
+        out = cuattn.attention(dq, dkp, dvp, k_lengths=lengths, block_table=t, causal=True)
+        assert isinstance(out, cp.ndarray)
+        assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))
