@@ -21,7 +21,8 @@ the block's MLP.
 The ``dask`` suite times one call against the same call on Dask arrays of CuPy chunks
 (threaded scheduler). The ``decode`` suite times a few query rows against long keys (GQA
 included) against SDPA's flash and cuDNN backends; its rate is the bytes of K and V read
-per second.
+per second. The ``paged`` suite times decoding on a paged cache (shuffled pages, a device
+block table) against the same call on the contiguous cache, at the same rate.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class Case:
     #: decode cases: keys (``seqlen`` is then the query rows) and K/V heads (GQA)
     seqlen_k: int = 0
     heads_kv: int = 0
+    #: paged decode cases: rows per page of the pools (0: a contiguous cache)
+    page_size: int = 0
 
     @property
     def lengths(self) -> list[int]:
@@ -76,7 +79,8 @@ class Case:
             heads = (f"H{self.heads}" if self.heads_kv == self.heads else
                      f"Hq{self.heads} Hk{self.heads_kv}")
             return (f"B{self.batch} {heads} Sq{self.seqlen} Sk{self.seqlen_k} "
-                    f"D{self.head_dim} {self.dtype}")
+                    f"D{self.head_dim} {self.dtype}"
+                    + (f" pages of {self.page_size}" if self.page_size else ""))
         if self.kind == "varlen":
             return (f"varlen B{self.batch} H{self.heads} L64-{self.seqlen} D{self.head_dim} "
                     f"{self.dtype}" + (" causal" if self.causal else ""))
@@ -169,6 +173,11 @@ SUITES = {
                                          (16, 32, 8, 4, 16384), (1, 32, 32, 1, 4096),
                                          (16, 32, 32, 1, 4096), (16, 32, 32, 1, 32768),
                                          (1, 32, 32, 1, 131072), (16, 32, 32, 1, 131072))],
+    # paged caches (pages of 256 rows, shuffled in the pool) against the contiguous cache
+    "paged": [Case("paged", "decode", "bfloat16", b, hq, 1, 128, seqlen_k=sk, heads_kv=hk,
+                   page_size=256)
+              for b, hq, hk, sk in ((1, 32, 32, 32768), (16, 32, 32, 8192),
+                                    (64, 32, 8, 4096))],
     # packed sequences of 64-4096 tokens (bf16, H16, D128), 16 and 64 of them
     "varlen": [Case("varlen", "varlen", "bfloat16", b, 16, 4096, 128, c)
                for b in (16, 64) for c in (False, True)],
@@ -301,6 +310,27 @@ def _dask_rows(case: Case, cupy):
     return rows
 
 
+def _paged_impls(case: Case, q, k, v, cupy) -> dict:
+    """A paged decode case: the cache's pages shuffled in pools, a device block table and
+    every entry at full length; against the same call on the contiguous cache."""
+    import cuattn
+    b, page = case.batch, case.page_size
+    per_entry = case.seqlen_k // page
+    order = np.random.default_rng(0).permutation(b * per_entry)
+    table = cupy.asarray(order.reshape(b, per_entry))
+    pools = []
+    for x in (k, v):  # (b, hk, 1, sk, d) -> pages (b * per_entry, hk, 1, page, d), shuffled
+        pages = x.reshape(b, x.shape[1], 1, per_entry, page, x.shape[-1])
+        pages = cupy.ascontiguousarray(pages.transpose(0, 3, 1, 2, 4, 5))
+        pool = cupy.empty_like(pages.reshape((b * per_entry,) + pages.shape[2:]))
+        pool[cupy.asarray(order)] = pages.reshape(pool.shape)
+        pools.append(pool)
+    lengths = np.full((b, 1, 1), case.seqlen_k)
+    return {"cuattn": lambda: cuattn.attention(q, *pools, k_lengths=lengths,
+                                               block_table=table),
+            "cuattn contiguous": lambda: cuattn.attention(q, k, v, k_lengths=lengths)}
+
+
 def _decode_rows(case: Case, cupy, torch):
     """Decoding: q (B, Hkv, G, Sq, D) against k, v (B, Hkv, 1, Sk, D) for cuattn (GQA is
     broadcasting), the same memory as (B, Hq, Sq, D) and (B, Hkv, Sk, D) for PyTorch's SDPA
@@ -314,6 +344,8 @@ def _decode_rows(case: Case, cupy, torch):
                                     dtype=cupy.float32).astype(dtype)
     k, v = (cupy.random.standard_normal((b, hk, 1, case.seqlen_k, d),
                                         dtype=cupy.float32).astype(dtype) for _ in range(2))
+    if case.page_size:
+        return _timed_rows(_paged_impls(case, q, k, v, cupy), case, cupy, None)
     impls = {"cuattn": lambda: cuattn.attention(q, k, v)}
     if torch is not None:
         from torch.nn.attention import sdpa_kernel
