@@ -6,7 +6,8 @@
 # Each stage writes its full log to LOGDIR and prints its last lines; the exit status is the
 # stage's. Workers for the tests: one per core (pytest-xdist), sharing CUPY_CACHE_DIR, which
 # tools/warm_cache.py first fills with the selection's instances, each compiled once. On a machine without a package index, WHEELS=DIR installs
-# Dask (the dask extra, for tests/test_dask.py) from wheels brought in DIR.
+# Dask (the dask extra, for tests/test_dask.py) from wheels brought in DIR. TESTS_LIMIT=S
+# interrupts the tests after S seconds, so that pytest still prints what ran and failed.
 set -uo pipefail
 logdir=$1; stage=$2; shift 2
 mkdir -p "$logdir"
@@ -18,7 +19,8 @@ fi
 case $stage in
   tests)
     python3 tools/warm_cache.py -- -m gpu -n "$(nproc)" "$@" 2>&1 | tee "$logdir/warm.log"
-    python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
+    limit=(); [ -n "${TESTS_LIMIT:-}" ] && limit=(timeout -s INT "$TESTS_LIMIT")
+    "${limit[@]}" python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
       | tee "$logdir/tests.log" | tail -25 ;;
   sanitize)
     python3 tools/sanitize.py --log-dir "$logdir" "$@" 2>&1 | tee "$logdir/sanitize.log" \
