@@ -7,6 +7,8 @@ D)``, which is how the call is validated (``_checks.check_paged``, then the dens
 on zero-stride stand-ins of that shape). It runs on the table columns that the entries'
 lengths reach: their pages are gathered into one array for the keys and one for the values
 (one indexed copy each), and the call goes on as a call with key lengths (``_ragged``).
+With key lengths in device memory, which are not read on the host, every column of the
+table is gathered.
 """
 from __future__ import annotations
 
@@ -21,8 +23,12 @@ __all__ = ["gathered"]
 
 def gathered(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall:
     """The call validated on ``paged``'s stand-ins, on the gathered keys and values of the
-    pages its (host) key lengths reach, its mask and bias cut to those keys."""
-    used = check_pages_used(paged, ragged.k_lengths)
+    pages its key lengths reach (host lengths; every column of the table for device
+    lengths), its mask and bias cut to those keys."""
+    lengths = ragged.k_lengths
+    # device lengths are not read on the host: every column of the table, then
+    used = (check_pages_used(paged, lengths) if isinstance(lengths, np.ndarray)
+            else paged.table.shape[1])
     keys = used * paged.page_size
     mask, bias = (None if x is None else x[..., :keys] if x.shape[-1] > 1 else x
                   for x in (call.mask, call.bias))

@@ -1,4 +1,4 @@
-"""Packed sequences and key lengths with host metadata, as dense calls.
+"""Packed sequences and key lengths, as dense calls.
 
 A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
 keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
@@ -7,6 +7,10 @@ batch entries that share it, against their first ``k_lengths[b]`` keys. Each den
 a view of the validated call, run on its backend without validating it again (on the GPU,
 side by side on a few streams); it aligns causal and window masking to its own
 bottom-right corner, which is the per-sequence (per-length) alignment of the contract.
+
+Key lengths in device memory are not read on the host: they become a bool mask built on
+the device (:func:`lengths_mask`), joined to the call's own mask, with the band folded
+into it, and the call runs as one dense masked call.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from ._checks import AttentionCall, Ragged, lse_dtype
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "lengths_mask"]
 
 
 def _sequences(ragged: Ragged):
@@ -71,8 +75,40 @@ def _sequence(call: AttentionCall, out, rows: slice, keys: slice) -> AttentionCa
                                seqlen_k=keys.stop - keys.start, return_lse=True)
 
 
+def lengths_mask(xp, lengths, seqlen_q: int, seqlen_k: int, window_left: int,
+                 window_right: int):
+    """The bool mask ``lengths.shape + (Sq or 1, Sk)`` that says the same as key lengths
+    ``lengths`` (an integer array of ``xp``, broadcastable to the batch shape) under the
+    band (left, right) (-1: unbounded) aligned to each length; its query axis is 1 without
+    a band. Built with ``xp``'s array operations, so device lengths stay on the device."""
+    length = lengths[..., None, None]
+    j = xp.arange(seqlen_k)
+    allowed = j < length
+    if window_left >= 0 or window_right >= 0:
+        centre = xp.arange(seqlen_q)[:, None] + (length - seqlen_q)
+        if window_right >= 0:
+            allowed = allowed & (j <= centre + window_right)
+        if window_left >= 0:
+            allowed = allowed & (j >= centre - window_left)
+    return allowed
+
+
+def as_masked(call: AttentionCall, lengths) -> AttentionCall:
+    """A validated call with key ``lengths`` as the dense call whose mask says the same:
+    the lengths' mask (band included) and the call's own mask, and no band."""
+    mask = lengths_mask(call.xp, lengths, call.seqlen_q, call.seqlen_k, call.window_left,
+                        call.window_right)
+    if call.mask is not None:
+        mask = mask & call.mask
+    return dataclasses.replace(call, mask=mask, window_left=-1, window_right=-1)
+
+
 def forward(call: AttentionCall, ragged: Ragged):
-    """``(out, lse)`` of a validated call with host ``ragged`` metadata."""
+    """``(out, lse)`` of a validated call with ``ragged`` metadata."""
+    if not ragged.on_host:  # device key lengths
+        from .attention import _forward
+        return _forward(dataclasses.replace(as_masked(call, ragged.k_lengths),
+                                            return_lse=True))
     xp = call.xp
     out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
     lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
@@ -103,10 +139,12 @@ def _group(call: AttentionCall, out, sel: tuple, n: int) -> AttentionCall:
 
 
 def backward(call: AttentionCall, ragged: Ragged, dout, out, lse):
-    """``(dq, dk, dv)`` of a validated call with host ``ragged`` metadata: each dense part's
-    gradients added into float32 (float64 for float64) arrays of the inputs' shapes, rounded
-    once."""
-    from .attention import attention_backward
+    """``(dq, dk, dv)`` of a validated call with ``ragged`` metadata. Host metadata: each
+    dense part's gradients added into float32 (float64 for float64) arrays of the inputs'
+    shapes, rounded once; device key lengths: the dense masked call's."""
+    from .attention import _backward, attention_backward
+    if not ragged.on_host:
+        return _backward(as_masked(call, ragged.k_lengths), dout, out, lse)
     xp, kw = call.xp, {**call.keywords(), "window": call.window}
     acc = lse_dtype(call.dtype)
     q, k, v = call.q, call.k, call.v

@@ -66,7 +66,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
         The longest sequence's rows and keys; computed from host offsets.
     k_lengths : int ndarray, optional
         Broadcastable to the batch shape: entry b has only its first ``k_lengths[b]`` keys,
-        and causal and window align to that length.
+        and causal and window align to that length. NumPy, or CuPy for a CuPy call: then
+        not read on the host, but made a mask on the device.
     block_table : (B, max_pages) int ndarray, optional
         Paged keys and values: k and v are pools of pages ``(num_pages, ..., page_size,
         D)`` and row b lists the pages of batch entry b in order; the call is the dense
@@ -254,9 +255,9 @@ _NO_DASK = ("packed sequences, k_lengths and block_table are not supported with 
 def _check_ragged(call: AttentionCall, *ragged_args):
     """The validated ragged metadata of a call; device metadata is not served."""
     ragged = check_ragged(call, *ragged_args)
-    if ragged is not None and not ragged.on_host:
-        raise NotImplementedError("q_offsets, k_offsets and k_lengths in device memory are "
-                                  "not supported; pass them as NumPy arrays")
+    if ragged is not None and ragged.q_offsets is not None and not ragged.on_host:
+        raise NotImplementedError("q_offsets and k_offsets in device memory are not "
+                                  "supported; pass them as NumPy arrays")
     return ragged
 
 

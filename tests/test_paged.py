@@ -141,7 +141,8 @@ def test_gpu_paged(dtype):
     v = vp[table].transpose(0, 2, 1, 3, 4).reshape(3, 4, 10 * page, 64)
     full = lengths_mask(lengths, (3, 4), 2, k.shape[-2], (-1, 0))
     ref, _ = attention_reference(q, k, v, mask=full)
-    for t in (table, cp.asarray(table)):  # a host or a device table
-        out = cuattn.attention(dq, dkp, dvp, k_lengths=lengths, block_table=t, causal=True)
+    # a host or a device table, host or device lengths
+    for t, n in ((table, lengths), (cp.asarray(table), lengths), (table, cp.asarray(lengths))):
+        out = cuattn.attention(dq, dkp, dvp, k_lengths=n, block_table=t, causal=True)
         assert isinstance(out, cp.ndarray)
         assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))

@@ -243,8 +243,48 @@ def test_gpu_packed_and_key_lengths(dtype):
     full = lengths_mask(lengths, (2, 3), q.shape[-2], k.shape[-2], (-1, 0))
     ref, _ = attention_reference(q, k, v, mask=full)
     assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))
+    # device lengths: the same call as a mask built on the device, forward and backward
+    out_d, lse_d = cuattn.attention(dq, dk, dv, k_lengths=cp.asarray(lengths), causal=True,
+                                    return_lse=True)
+    assert_accurate(to_host(out_d), ref, naive_attention(q, k, v, mask=full))
+    dout = cp.asarray(np.ones(out_d.shape, dtype))
+    grads = cuattn.attention_backward(dout, dq, dk, dv, out_d, lse_d, causal=True,
+                                      k_lengths=cp.asarray(lengths))
+    refs = attention_backward_reference(np.ones(out_d.shape, dtype), q, k, v, mask=full)
+    for g, r in zip(grads, refs):
+        tol = {2: 3e-2, 4: 1e-4, 8: 1e-11}[dtype.itemsize] * max(1.0, np.max(np.abs(r)))
+        assert np.max(np.abs(to_host(g).astype(np.float64) - r)) <= tol
     with pytest.raises(NotImplementedError, match="device memory"):
-        cuattn.attention(dq, dk, dv, k_lengths=cp.asarray(lengths))
+        cuattn.attention(dq, dk, dv, q_offsets=cp.asarray(qo), k_offsets=cp.asarray(ko),
+                         max_q_len=130, max_k_len=200)
+
+
+@pytest.mark.parametrize("window", list(WINDOWS) + ["both"])
+def test_lengths_as_a_mask(window):
+    """Device key lengths run as a mask built with the array module's operations: the same
+    mask as the reference's, and (on NumPy) the same results as host lengths."""
+    from cuattn._checks import check_attention, check_ragged
+    from cuattn._cpu import attention_forward
+    from cuattn._ragged import as_masked
+    from cuattn._ragged import lengths_mask as built
+    band = (2, 1) if window == "both" else WINDOWS[window]
+    lengths = np.array([[0], [3], [9], [12]])
+    got = built(np, lengths, 5, 12, *band)
+    want = lengths_mask(lengths, (4, 2), 5, 12, band)
+    assert np.array_equal(np.broadcast_to(got, want.shape), want)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((4, 2, 5, 8))
+    k, v = rng.standard_normal((2, 4, 1, 12, 8))
+    mask = rng.random((1, 12)) > 0.2
+    kw = dict(_window_kw(band), mask=mask) if window != "both" else dict(window=band,
+                                                                          mask=mask)
+    call = check_attention(q, k, v, return_lse=True, **kw)
+    masked = as_masked(call, check_ragged(call, k_lengths=lengths).k_lengths)
+    assert masked.window_left == masked.window_right == -1
+    out, lse = attention_forward(masked)
+    ref, ref_lse = cuattn.attention(q, k, v, k_lengths=lengths, return_lse=True, **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
 
 
 def test_docs_page_examples():
