@@ -300,19 +300,21 @@ class _SplitLaunch:
     call's seven pointers: new buffers for the partial results (CuPy's pool, on the stream
     of the launches, so reused only after the merge that reads them), the plans of the two
     part calls over offsets of q, k, v and those buffers, then the merge into out and lse
-    (a new lse where the call returns none)."""
+    (a new lse where the call returns none). A mask or bias is read in place, in chunks
+    with the keys."""
 
     def __init__(self, call: AttentionCall, n: int, device_id: int, out, lse):
         cupy = call.xp
         outs, lses = _split.buffers(call, n)
         if lse is None:  # the layout of the scratch lse of each call
             lse = cupy.ndarray(call.lse_shape, lses.dtype)
-        bases = (call.q, call.k, call.v, outs, lses)
+        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):
-            arrays = (part.q, part.k, part.v, part.out, part_lse)
+            arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias)
             plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
-            self._parts.append((plan, [x.data.ptr - b.data.ptr for x, b in zip(arrays, bases)]))
+            self._parts.append((plan, [None if x is None else x.data.ptr - b.data.ptr
+                                       for x, b in zip(arrays, bases)]))
         self._merge = stacked_plan(outs, lses, out, lse)
         self._shapes = (outs.shape, outs.dtype, lses.shape, lses.dtype, lse.shape)
         self._ndarray = cupy.ndarray
@@ -320,13 +322,13 @@ class _SplitLaunch:
     def __call__(self, pointers, stream_ptr: int) -> None:
         outs_shape, dtype, lses_shape, lse_dt, lse_shape = self._shapes
         outs, lses = self._ndarray(outs_shape, dtype), self._ndarray(lses_shape, lse_dt)
-        q, k, v, out, lse = pointers[:5]
+        q, k, v, out, lse, mask, bias = pointers
         if not lse:
             scratch = self._ndarray(lse_shape, lse_dt)
             lse = scratch.data.ptr
-        bases = (q, k, v, outs.data.ptr, lses.data.ptr)
+        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias)
         for plan, offsets in self._parts:
-            plan([b + o for b, o in zip(bases, offsets)] + [0, 0], stream_ptr)
+            plan([0 if o is None else b + o for b, o in zip(bases, offsets)], stream_ptr)
         self._merge(out, lse, outs.data.ptr, lses.data.ptr, stream_ptr)
 
 

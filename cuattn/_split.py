@@ -99,10 +99,10 @@ def _rows_folded(x, sq: int):
 
 def split_count(call: AttentionCall, sm_count: int) -> int:
     """How many key chunks a call runs in (1: no split). Only calls whose blocks would fill
-    under half of the SMs, without mask or bias, and without a left window bound, with
-    enough keys for two chunks of MIN_CHUNK; the last chunk must hold the rows' causal or
-    right-window band, so every earlier key is seen by every row."""
-    if call.mask is not None or call.bias is not None or call.window_left >= 0:
+    under half of the SMs, without a left window bound, with enough keys for two chunks of
+    MIN_CHUNK; the last chunk must hold the rows' causal or right-window band, so every
+    earlier key is seen by every row (a mask or bias is cut into chunks with the keys)."""
+    if call.window_left >= 0:
         return 1
     blocks = math.prod(call.batch_shape) * -(-call.seqlen_q // ROWS_PER_BLOCK)
     if blocks == 0 or 2 * blocks > sm_count:
@@ -138,11 +138,38 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))
 
-    return [(_part(call, call.q[..., None, :, :], chunked(call.k), chunked(call.v),
-                   outs[..., :n - 1, :, :], batch + (n - 1,), width, -1), lses[..., :n - 1, :]),
-            (_part(call, call.q, call.k[..., head:, :], call.v[..., head:, :],
-                   outs[..., n - 1, :, :], batch, sk - head, call.window_right),
+    first = dict(q=call.q[..., None, :, :], k=chunked(call.k), v=chunked(call.v),
+                 mask=_chunked_cols(call.mask, n - 1, width),
+                 bias=_chunked_cols(call.bias, n - 1, width))
+    last = dict(q=call.q, k=call.k[..., head:, :], v=call.v[..., head:, :],
+                mask=_last_cols(call.mask, head), bias=_last_cols(call.bias, head))
+    return [(_part(call, first, outs[..., :n - 1, :, :], batch + (n - 1,), width, -1),
+             lses[..., :n - 1, :]),
+            (_part(call, last, outs[..., n - 1, :, :], batch, sk - head, call.window_right),
              lses[..., n - 1, :])]
+
+
+def _chunked_cols(x, chunks: int, width: int):
+    """A mask or bias (..., Sq, Sk) as the view (..., chunks, Sq, width) of its first
+    ``chunks * width`` key columns; one that broadcasts along the keys (Sk axis 1) gets a
+    chunk axis of 1. None stays None."""
+    if x is None:
+        return None
+    if x.shape[-1] == 1:
+        return x[..., None, :, :]
+    *lead, rows, _ = x.shape
+    *lead_strides, row_stride, col_stride = x.strides
+    shape = (*lead, chunks, rows, width)
+    strides = (*lead_strides, width * col_stride, row_stride, col_stride)
+    if isinstance(x, np.ndarray):
+        return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
+    return type(x)(shape, x.dtype, memptr=x.data, strides=strides)
+
+
+def _last_cols(x, head: int):
+    """A mask or bias from key column ``head`` on (itself where it broadcasts along the
+    keys)."""
+    return x if x is None or x.shape[-1] == 1 else x[..., head:]
 
 
 def forward(call: AttentionCall, n: int, run):
@@ -157,9 +184,8 @@ def forward(call: AttentionCall, n: int, run):
     return merge_stacked(outs, lses, out=call.out)
 
 
-def _part(call: AttentionCall, q, k, v, out, batch: tuple, seqlen_k: int, right: int):
-    """The call on views of its arrays: no mask or bias (split_count), no left bound, the
-    right bound ``right`` (-1: none), and its lse."""
-    return dataclasses.replace(call, q=q, k=k, v=v, out=out, batch_shape=batch,
-                               seqlen_k=seqlen_k, window_left=-1, window_right=right,
-                               return_lse=True)
+def _part(call: AttentionCall, arrays: dict, out, batch: tuple, seqlen_k: int, right: int):
+    """The call on views of its arrays (``arrays``: q, k, v, mask, bias): no left bound
+    (split_count), the right bound ``right`` (-1: none), and its lse."""
+    return dataclasses.replace(call, **arrays, out=out, batch_shape=batch, seqlen_k=seqlen_k,
+                               window_left=-1, window_right=right, return_lse=True)

@@ -20,12 +20,18 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
     (5, 3001, 3, {"causal": True}),
     (4, 2500, 4, {"window": (None, 2)}),
     (3, 2048, 2, {"softcap": 5.0, "scale": 0.2}),
+    (2, 3001, 3, {"mask": (2, 1, 1, 1, 3001), "bias": (2, 1, 1, 3001), "causal": True}),
+    (1, 2500, 4, {"mask": (3, 1, 1), "bias": (1, 2500)}),  # broadcast along the keys
 ])
 def test_split_forward_equals_one_pass(dtype, sq, sk, n, kw):
     rng = np.random.default_rng(sq * sk + n)
     q = rng.standard_normal((2, 2, 3, sq, 16)).astype(dtype)   # GQA: keys broadcast
     k = rng.standard_normal((2, 2, 1, sk, 16)).astype(dtype)
     v = rng.standard_normal((2, 2, 1, sk, 8)).astype(dtype)
+    kw = dict(kw)
+    if "mask" in kw:  # shapes given: about a fifth of the keys masked, a float32 bias
+        kw["mask"] = rng.random(kw["mask"]) > 0.2
+        kw["bias"] = rng.standard_normal(kw["bias"]).astype(np.float32)
     call = check_attention(q, k, v, return_lse=True, **kw)
     out, lse = _split.forward(call, n, _cpu.attention_forward)
     ref, ref_lse = attention_reference(q, k, v, **kw)
@@ -53,8 +59,8 @@ def test_split_count():
     assert _split.split_count(_call((1, 32), 1, 1500), sms) == 1      # too few keys
     assert _split.split_count(_call((1, 4), 16, 65536, causal=True), sms) == 64  # at most
     assert _split.split_count(_call((1, 8), 4, 131072), sms) == 33    # GQA B1 Hk8 folded
-    mask = np.ones((1, 32768), bool)
-    assert _split.split_count(_call((1, 32), 1, 32768, mask=mask), sms) == 1
+    mask = np.ones((1, 32768), bool)  # cut into chunks with the keys
+    assert _split.split_count(_call((1, 32), 1, 32768, mask=mask), sms) == 9
     assert _split.split_count(_call((1, 32), 1, 32768, window=(100, 0)), sms) == 1
     # the last chunk must hold the band of every row: 1500 rows, chunks of 1024 keys
     assert _split.split_count(_call((1, 1), 1500, 2500, causal=True), sms) == 1
@@ -176,6 +182,7 @@ def test_gpu_folded_groups(dtype, sq, layout, kw):
     ((1, 2, 3), 1, 4100, {"causal": True}),   # GQA: the 3 query groups fold into rows
     ((1, 2), 4, 4100, {"causal": True, "softcap": 20.0}),
     ((1, 1), 1, 9300, {}),                    # 9 chunks: more than 8 parts in one merge
+    ((1, 2), 3, 4100, {"causal": True, "mask": (1, 1, 3, 4100)}),  # a mask in chunks
 ])
 def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     """The GPU backend's split-key plan (two part launches and the merge), through a CuPy
@@ -196,11 +203,17 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     kv_lead = q_lead[:2] + (1,) * (len(q_lead) - 2)
     rng = np.random.default_rng(sq)
 
+    mask_shape = kw.pop("mask", None)
+
     def inputs():
         host = [rng.standard_normal(lead + (s, d)).astype(np.float16)
                 for lead, s in ((q_lead, sq), (kv_lead, sk), (kv_lead, sk))]
         dev = [x.copy().view(device) for x in host]
         arrays.extend(dev)
+        if mask_shape is not None:
+            mask = rng.random(mask_shape) > 0.3
+            kw["mask"] = mask.copy().view(device)
+            arrays.append(kw["mask"])
         return host, dev
 
     checks = []
@@ -212,9 +225,10 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
         launches.clear()
         host, dev = inputs()
         out, lse = cuattn.attention(*dev, return_lse=True, **kw)
-        ref, ref_lse = attention_reference(*host, **kw)
+        host_kw = {n: np.asarray(x) if n == "mask" else x for n, x in kw.items()}
+        ref, ref_lse = attention_reference(*host, **host_kw)
         assert out.shape == ref.shape and out.dtype == np.float16
-        assert_accurate(out, ref, naive_attention(*host, **kw))
+        assert_accurate(out, ref, naive_attention(*host, **host_kw))
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
         runs.append(([fn for fn, *_ in launches], {p for _, ptrs, _ in launches for p in ptrs}))
     assert len(checks) == 1                     # the second call: no validation, no planning
@@ -226,4 +240,4 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     arrays.append(buf.base)
     got = cuattn.attention(*dev, out=buf, **kw)
     assert got is buf
-    assert_accurate(np.asarray(buf), ref, naive_attention(*host, **kw))
+    assert_accurate(np.asarray(buf), ref, naive_attention(*host, **host_kw))
