@@ -3,7 +3,7 @@
 The pools hold fixed-size pages, ``(num_pages, ..., page_size, D)``; row b of the table
 lists the pages of batch entry b in order, so that its keys are the rows of those pages
 one after another: the keys and values of a dense call ``(B, ..., max_pages · page_size,
-D)``, which is how the call is validated (``_checks.check_paged``, then the dense checks
+D)``, which is how the call is validated (``_checks_ragged.check_paged``, then the dense checks
 on zero-stride stand-ins of that shape). It runs on the table columns that the entries'
 lengths reach: their pages are gathered into one array for the keys and one for the values
 (one indexed copy each), and the call goes on as a call with key lengths (``_ragged``).
@@ -16,7 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from ._checks import AttentionCall, Paged, Ragged, check_pages_used
+from ._checks import AttentionCall
+from ._checks_ragged import Paged, Ragged, check_pages_used
 
 __all__ = ["gathered"]
 

@@ -18,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from ._checks import AttentionCall, Ragged, lse_dtype
+from ._checks import AttentionCall, lse_dtype
+from ._checks_ragged import Ragged
 
 __all__ = ["forward", "backward", "lengths_mask"]
 

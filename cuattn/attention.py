@@ -9,13 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cpu, _gpu, _paged, _ragged
-from ._checks import (
-    AttentionCall,
-    check_attention,
-    check_backward,
-    check_paged,
-    check_ragged,
-)
+from ._checks import AttentionCall, check_attention, check_backward
+from ._checks_ragged import check_paged, check_ragged
 
 __all__ = ["attention", "attention_backward", "attention_vjp"]
 

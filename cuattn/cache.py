@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ._checks import CacheAppend, check_cache_append
+from ._checks_ragged import CacheAppend, check_cache_append
 
 __all__ = ["kv_cache_append", "kv_cache_instances"]
 

@@ -5,7 +5,8 @@ import math
 
 import numpy as np
 
-from ._checks import check_merge, loaded_cupy, lse_dtype
+from ._checks import loaded_cupy, lse_dtype
+from ._checks_ragged import check_merge
 
 __all__ = ["merge_attention", "merge_instances", "merge_stacked"]
 

@@ -189,7 +189,7 @@ def test_device_launch_parameters_on_host_memory(dtype, monkeypatch):
     from _hostdev import Memory, fake_cupy, on_device
 
     from cuattn import cache
-    from cuattn._checks import CacheAppend
+    from cuattn._checks_ragged import CacheAppend
     rng = np.random.default_rng(4)
     store = rng.standard_normal((2, 3, 4, 12, 2, 6)).astype(dtype)  # (a, b, c, S, d, D)
     k_cache = store.swapaxes(-2, -3).swapaxes(2, 3)                   # (a, b, d, c, S, D)

@@ -263,7 +263,8 @@ def test_gpu_packed_and_key_lengths(dtype):
 def test_lengths_as_a_mask(window):
     """Device key lengths run as a mask built with the array module's operations: the same
     mask as the reference's, and (on NumPy) the same results as host lengths."""
-    from cuattn._checks import check_attention, check_ragged
+    from cuattn._checks import check_attention
+    from cuattn._checks_ragged import check_ragged
     from cuattn._cpu import attention_forward
     from cuattn._ragged import as_masked
     from cuattn._ragged import lengths_mask as built
