@@ -105,7 +105,7 @@ def _mean_ms(fn, cupy, warmup: int, reps: int):
 def _torch_layer_ms(torch, cupy, x, weights, biases, heads, warmup, reps) -> float:
     """The same layer in PyTorch on the same device memory (DLPack), float32 products
     without TF32 as cuattn's."""
-    from cuattn.bench import _torch_layer
+    from cuattn._bench_layers import _torch_layer
     tx, tw, tb = (torch.from_dlpack(x), [torch.from_dlpack(w) for w in weights],
                   [torch.from_dlpack(b) for b in biases])
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
                         direction=args.direction, max_seqlen=args.max_seqlen,
                         match=args.match or (), backward_kernel=args.backward_kernel,
                         peers=not args.no_peers)
-    print(bench._format(results))
+    print(bench.format_tables(results))
     if args.report:
         print(f"performance page: {bench.write_report(results, args.report)}")
     return 0

@@ -33,7 +33,7 @@ def test_timed_rows_time_each_implementation_and_keep_going(monkeypatch):
     TF32 switch is set for the float32 rows and restored."""
     import types
 
-    from cuattn import bench
+    from cuattn import _bench_core as bench
     monkeypatch.setattr(bench, "_time", lambda fn, cupy: fn())
     monkeypatch.setattr(bench, "_peak_extra_mb", lambda fn, cupy, torch: 1.5)
     freed = []

@@ -363,7 +363,7 @@ def test_vit_block_matches_float64(dtype, tol):
 
 @needs_page
 def test_bench_block_is_the_page_block():
-    from cuattn.bench import _vit_block
+    from cuattn._bench_layers import _vit_block
     module = _page_module()
     rng = np.random.default_rng(12)
     p = module.init_block(rng, embed=32, hidden=128)
