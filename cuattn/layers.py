@@ -353,7 +353,9 @@ _CUBLAS_TYPES = {
     "float64": (1, 70, 70),      # CUDA_R_64F; CUBLAS_COMPUTE_64F
 }
 _OP_N, _OP_T = 0, 1              # cublasOperation_t
-_GEMM_DEFAULT = -1               # cublasGemmAlgo_t: cuBLAS's own choice
+#: cublasGemmAlgo_t: cuBLAS's own choice, and its tensor-op variant, which CuPy's own matmul
+#: passes for 16-bit products (compute capability 8.0 on; 7.0 for float16), as here
+_GEMM_DEFAULT, _GEMM_TENSOR_OP = -1, 99
 #: alpha and beta (1 and 0), which cuBLAS reads from host memory during the call: float32
 #: for the 32F compute types, float64 for 64F
 _ONE_ZERO = {np.dtype(t): (np.ones(1, t), np.zeros(1, t)) for t in (np.float32, np.float64)}
@@ -393,6 +395,15 @@ def _blas_view(m: _Matrix, itemsize: int):
     return None
 
 
+def _gemm_algo(dtype, capability: int) -> int:
+    """The algorithm of a product of ``dtype`` operands on a GPU of compute capability
+    ``capability`` (e.g. 90): the tensor-op one for 16-bit operands where CuPy uses it,
+    cuBLAS's own choice otherwise (float32 products stay exact)."""
+    if dtype.itemsize == 2 and (capability >= 80 or capability >= 70 and dtype == np.float16):
+        return _GEMM_TENSOR_OP
+    return _GEMM_DEFAULT
+
+
 class _CublasProducts:
     """``out = a @ b`` (``+ out`` when accumulating: beta = 1) as one ``cublasGemmEx`` in
     the dtype of the operands, accumulated in float32 (float64 for float64). cuBLAS is
@@ -401,8 +412,8 @@ class _CublasProducts:
     ``cupy_backends.cuda.libs.cublas.gemmEx``, which sets the handle's stream to the current
     one before each call."""
 
-    def __init__(self, dtype, precision, gemm_ex, handle: int, xp):
-        self.xp = xp
+    def __init__(self, dtype, precision, gemm_ex, handle: int, xp, algo=_GEMM_DEFAULT):
+        self.xp, self.algo = xp, algo
         self.itemsize = dtype.itemsize
         self.type, exact, tf32 = _CUBLAS_TYPES[dtype.name]
         self.compute = tf32 if precision == "tf32" else exact
@@ -416,7 +427,8 @@ class _CublasProducts:
         import cupy
         from cupy.cuda import device
         from cupy_backends.cuda.libs import cublas
-        return cls(dtype, precision, cublas.gemmEx, device.get_cublas_handle(), cupy)
+        return cls(dtype, precision, cublas.gemmEx, device.get_cublas_handle(), cupy,
+                   _gemm_algo(dtype, int(device.get_compute_capability())))
 
     def operand(self, a):
         """``a`` itself when cuBLAS can read it, else a C-contiguous copy."""
@@ -451,4 +463,4 @@ class _CublasProducts:
         self.gemm_ex(self.handle, op_b, op_a, b.cols, a.rows, a.cols,
                      self.one, ptr_b, self.type, ld_b, ptr_a, self.type, ld_a,
                      self.one if accumulate else self.zero, _pointer(out), self.type, ld_c,
-                     self.compute, _GEMM_DEFAULT)
+                     self.compute, self.algo)

@@ -151,7 +151,7 @@ class EmulatedGemmEx:
         assert atype == btype == ctype and transa in (0, 1) and transb in (0, 1)
         dtype = _CUDA_TYPES[ctype]
         assert compute == {2: 68, 14: 68, 0: 68, 1: 70}[ctype] or (ctype, compute) == (0, 77)
-        self.calls.append({"m": m, "n": n, "k": k, "compute": compute})
+        self.calls.append({"m": m, "n": n, "k": k, "compute": compute, "algo": algo})
         scalar = np.float64 if compute == 70 else np.float32
         alpha, beta = (float(_host_matrix(p, 1, 1, 1, scalar)[0, 0]) for p in (alpha, beta))
         assert lda >= max(1, m if transa == 0 else k) and ldb >= max(1, k if transb == 0 else n)
@@ -225,6 +225,27 @@ def test_cublas_path_packed_weights_with_some_or_no_biases(biases):
                         products)
     _check(got, x, ws, bs, 2)
     assert len(gemm.calls) == (2 if biases == "none" else 4)  # one product needs every bias
+
+
+def test_gemm_algorithm_takes_tensor_ops_for_16_bit_products():
+    """16-bit products pass the tensor-op algorithm where CuPy's matmul does (compute
+    capability 8.0 on, 7.0 for float16); float32 and float64 keep cuBLAS's own choice, and
+    every product of a layer passes the products' algorithm."""
+    f16, bf16, f32, f64 = (np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
+                                                  np.float32, np.float64))
+    assert [layers._gemm_algo(d, 90) for d in (f16, bf16, f32, f64)] == [99, 99, -1, -1]
+    assert [layers._gemm_algo(d, 75) for d in (f16, bf16)] == [99, -1]
+    assert layers._gemm_algo(f16, 61) == -1
+    rng = np.random.default_rng(9)
+    x, ws, bs = _inputs(rng, np.float16, batch=(2,), n=5, embed=16)
+    gemm = EmulatedGemmEx()
+    products = layers._CublasProducts(f16, None, gemm, 0, np, algo=99)
+    params = dict(zip(("w_q", "w_k", "w_v", "w_o"), ws)) | dict(
+        zip(("b_q", "b_k", "b_v", "b_o"), bs))
+    got = layers._layer(x, layers._check_layer(x, np, params, 2, None, None), 2, False,
+                        products)
+    assert {c["algo"] for c in gemm.calls} == {99}
+    _check(got, x, ws, bs, 2)
 
 
 def test_cublas_path_tf32_uses_the_tf32_compute_type():

@@ -6,7 +6,8 @@ layer in PyTorch, to find where the layer's time goes.
 For B = 1 and 64 (N 197, E 768, 12 heads, biases on all four projections) it prints the
 whole layer (separate and side-by-side Q/K/V weights) and each of its steps as the layer
 runs them: the bias copies, the cuBLAS products (``cublasGemmEx`` on CuPy's handle, beta 1
-and 0, one packed product or three, and with the tensor-op algorithm 99), CuPy's own 2-D
+and 0, one packed product or three, with the layer's algorithm and with each of cuBLAS's
+default (-1) and tensor-op (99) algorithms), CuPy's own 2-D
 matmul of the same product, attention on the layer's strided views and on contiguous
 copies; then PyTorch's layer, its ``addmm`` of the packed product, one projection, and
 SDPA on the same views. Each time is the median over 5 batches of 50 calls between CUDA
@@ -61,11 +62,11 @@ def steps(batch, dtype):
     packed = layers._matrix(w_qkv)
 
     def gemm(algo):
-        saved, layers._GEMM_DEFAULT = layers._GEMM_DEFAULT, algo
+        saved, products.algo = products.algo, algo
         try:
             products(x2, packed, qkv, accumulate=True)
         finally:
-            layers._GEMM_DEFAULT = saved
+            products.algo = saved
 
     tx, tq, tk, tv = (torch.from_dlpack(t) for t in (x, q, k, v))
     tws, tbs = [torch.from_dlpack(w) for w in ws], [torch.from_dlpack(b) for b in bs]
@@ -85,8 +86,9 @@ def steps(batch, dtype):
         "layer, packed weights": lambda: cuattn.multi_head_attention(
             x, *pw, ws[3], num_heads=heads, b_q=pb[0], b_k=pb[1], b_v=pb[2], b_o=bs[3]),
         "copy qkv bias": lambda: cp.copyto(qkv, b_qkv),
-        "gemm qkv packed, beta 1": lambda: gemm(layers._GEMM_DEFAULT),
-        "gemm qkv packed, algo 99": lambda: gemm(99),
+        "gemm qkv packed, beta 1": lambda: gemm(products.algo),
+        "gemm qkv packed, algo -1": lambda: gemm(layers._GEMM_DEFAULT),
+        "gemm qkv packed, algo 99": lambda: gemm(layers._GEMM_TENSOR_OP),
         "gemm qkv packed, beta 0": lambda: products(x2, packed, qkv, accumulate=False),
         "gemm qkv as 3, beta 1": lambda: [products(x2, w, b, accumulate=True)
                                          for w, b in zip(ws[:3], blocks)],
