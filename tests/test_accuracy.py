@@ -11,7 +11,7 @@ import pytest
 from _gpu_matrix import cupy as _cp
 
 from cuattn import accuracy
-from cuattn.accuracy import (
+from cuattn._accuracy_grid import (
     HALF_DTYPES,
     HEAD_DIMS,
     HEADS_KV,
