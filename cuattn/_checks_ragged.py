@@ -82,7 +82,8 @@ def check_merge(outs, lses):
 @dataclass(slots=True)
 class Ragged:
     """The packed sequences or the per-entry key lengths of a validated call. Host
-    (NumPy) metadata is int64; ``k_lengths`` is broadcast to the batch shape (a view)."""
+    (NumPy) metadata is int64, and host ``k_lengths`` are broadcast to the batch shape (a
+    view); device (CuPy) metadata is as given."""
     q_offsets: Any = None
     k_offsets: Any = None
     max_q_len: int | None = None
@@ -152,6 +153,9 @@ def check_paged(q, k_pages, v_pages, block_table, out=None) -> Paged:
     if k_pages.shape[-2] < 1:
         raise ValueError(f"the page size (k_pages.shape[-2]) must be at least 1, got shape "
                          f"{k_pages.shape}")
+    if k_pages.shape[0] < 1:
+        raise ValueError(f"k_pages and v_pages must hold at least one page, got shape "
+                         f"{k_pages.shape}")
     if out is not None:
         out, xo = as_array(out, "out")
         for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -188,9 +192,10 @@ def check_pages_used(paged: Paged, lengths) -> int:
         if bad.any():
             b, p = np.argwhere(bad)[0]
             raise ValueError(f"block_table[{b}, {p}] = {table[b, p]} is not a page of the "
-                             f"pools (0 to {paged.k_pages.shape[0] - 1}), and entry {b} "
-                             f"reaches that column (k_lengths)")
+                             f"pools (0 to {paged.k_pages.shape[0] - 1}), and k_lengths "
+                             f"reach that column of row {b}")
     return used
+
 
 def _length(value, name: str, limit: int, longest: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -27,15 +27,37 @@ def gathered(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall
     pages its key lengths reach (host lengths; every column of the table for device
     lengths), its mask and bias cut to those keys."""
     lengths = ragged.k_lengths
+    on_host = isinstance(lengths, np.ndarray)
     # device lengths are not read on the host: every column of the table, then
-    used = (check_pages_used(paged, lengths) if isinstance(lengths, np.ndarray)
-            else paged.table.shape[1])
+    used = check_pages_used(paged, lengths) if on_host else paged.table.shape[1]
     keys = used * paged.page_size
     mask, bias = (None if x is None else x[..., :keys] if x.shape[-1] > 1 else x
                   for x in (call.mask, call.bias))
-    return dataclasses.replace(call, k=_gather(paged.k_pages, paged.table, used),
-                               v=_gather(paged.v_pages, paged.table, used), mask=mask,
-                               bias=bias, seqlen_k=keys)
+    v = _gather(paged.v_pages, paged.table, used)
+    if not on_host:
+        v = _zero_past(v, lengths, call.batch_shape, paged)
+    return dataclasses.replace(call, k=_gather(paged.k_pages, paged.table, used), v=v,
+                               mask=mask, bias=bias, seqlen_k=keys)
+
+
+def _zero_past(v, lengths, batch_shape: tuple, paged: Paged):
+    """The gathered values ``v`` (B, ..., keys, Dv) with the rows past the longest device
+    length of each table row set to 0. Device lengths run as a mask, which gives those
+    keys weight 0 but still reads their values: the columns past a length may name any
+    page (a -1 wraps), whose rows need not be finite, and 0 times them must stay 0."""
+    xp = _module(v)
+    if lengths.size == 0:
+        return v
+    lead = len(batch_shape) - lengths.ndim
+    axis = len(batch_shape) - (paged.k_pages.ndim - 2) - lead  # the table rows' axis
+    if paged.table.shape[0] == 1 or axis < 0 or lengths.shape[axis] == 1:
+        longest = lengths.max().reshape(1)
+    else:
+        longest = lengths.max(axis=tuple(a for a in range(lengths.ndim) if a != axis))
+    keys = v.shape[-2]
+    valid = xp.arange(keys) < longest.astype(xp.int64)[:, None]
+    valid = valid.reshape((valid.shape[0],) + (1,) * (v.ndim - 3) + (keys, 1))
+    return xp.where(valid, v, xp.zeros((), v.dtype))
 
 
 def _gather(pool, table, used: int):
@@ -60,5 +82,7 @@ def _gather(pool, table, used: int):
 
 
 def _module(x):
+    if isinstance(x, np.ndarray):
+        return np
     import cupy
     return cupy

@@ -36,6 +36,8 @@ def _groups(call: AttentionCall, ragged: Ragged):
     """(batch selection, key count) per distinct entry of the key lengths: the selection
     takes ``i:i+1`` on the batch axes along which the lengths vary, whole axes elsewhere."""
     lengths = ragged.k_lengths
+    if lengths.size == 0:  # an empty batch: no call
+        return
     vary = [a for a, (n, st) in enumerate(zip(lengths.shape, lengths.strides))
             if n > 1 and st != 0]
     for idx in np.ndindex(*(lengths.shape[a] for a in vary)):
@@ -79,10 +81,12 @@ def _sequence(call: AttentionCall, out, rows: slice, keys: slice) -> AttentionCa
 def lengths_mask(xp, lengths, seqlen_q: int, seqlen_k: int, window_left: int,
                  window_right: int):
     """The bool mask ``lengths.shape + (Sq or 1, Sk)`` that says the same as key lengths
-    ``lengths`` (an integer array of ``xp``, broadcastable to the batch shape) under the
-    band (left, right) (-1: unbounded) aligned to each length; its query axis is 1 without
-    a band. Built with ``xp``'s array operations, so device lengths stay on the device."""
-    length = lengths[..., None, None]
+    ``lengths`` (an integer array of ``xp``, any integer dtype, broadcastable to the batch
+    shape; each clipped to 0 .. Sk) under the band (left, right) (-1: unbounded) aligned to
+    each length; its query axis is 1 without a band. Built with ``xp``'s array operations,
+    so device lengths stay on the device."""
+    # int64 first: an unsigned or narrow dtype would wrap in length - Sq
+    length = xp.clip(lengths.astype(xp.int64), 0, seqlen_k)[..., None, None]
     j = xp.arange(seqlen_k)
     allowed = j < length
     if window_left >= 0 or window_right >= 0:

@@ -62,12 +62,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     k_lengths : int ndarray, optional
         Broadcastable to the batch shape: entry b has only its first ``k_lengths[b]`` keys,
         and causal and window align to that length. NumPy, or CuPy for a CuPy call: then
-        not read on the host, but made a mask on the device.
+        not read on the host, but made a mask on the device (the keys and values past
+        each length are then read with weight 0, so they must be finite).
     block_table : (B, max_pages) int ndarray, optional
         Paged keys and values: k and v are pools of pages ``(num_pages, ..., page_size,
         D)`` and row b lists the pages of batch entry b in order; the call is the dense
         call on keys ``(B, ..., max_pages · page_size, D)`` made of those pages. Needs
-        ``k_lengths``; the columns past an entry's length are not read.
+        ``k_lengths``; the columns past an entry's length do not count (they may hold -1).
 
     Returns
     -------

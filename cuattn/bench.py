@@ -54,6 +54,7 @@ from ._bench_report import _plot, environment, format_tables, write_report
 
 __all__ = ["SUITES", "Case", "run", "format_tables", "write_report"]
 
+
 def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,),
                 directions=("fwd",), sides=(None,)):
     return [Case(suite, "attention", dt, b, h, s, d, c, p, direction=di, side=sd)

@@ -123,6 +123,28 @@ def test_pool_errors():
         cuattn.attention(q, kp, vp.astype(np.float64), **kw)
     with pytest.raises(ValueError, match="out overlaps v_pages"):
         cuattn.attention(q, kp, vp, out=vp[:4, :, :1, :], **kw)
+    with pytest.raises(ValueError, match="at least one page"):
+        cuattn.attention(q, kp[:0], vp[:0], k_lengths=np.zeros((4, 1), int),
+                         block_table=np.full((4, 2), -1))
+
+
+def test_device_lengths_zero_the_values_past_them():
+    """With device lengths the paged call runs as one masked call over every column: the
+    values past each row's longest length are zeroed after the gather, so a column that
+    names a page of non-finite values (or -1) cannot reach the output."""
+    from cuattn import _paged
+    from cuattn._checks_ragged import check_paged
+    rng = np.random.default_rng(6)
+    kp, vp = _pool(rng, np.float64)
+    vp[5] = np.nan  # a page only past the lengths
+    table = np.array([[3, 7, 5], [0, 2, 5]])
+    q = np.zeros((2, 2, 1, 16))
+    paged = check_paged(q, kp, vp, table)
+    v = _paged._gather(vp, table, 3)
+    for lengths in (np.array([[6], [8]]), np.array(8)):
+        zeroed = _paged._zero_past(v, lengths, (2, 2), paged)
+        assert np.isfinite(zeroed).all()
+        np.testing.assert_array_equal(zeroed[..., :6, :], v[..., :6, :])
 
 
 @pytest.mark.gpu

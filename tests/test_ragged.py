@@ -270,9 +270,13 @@ def test_lengths_as_a_mask(window):
     from cuattn._ragged import lengths_mask as built
     band = (2, 1) if window == "both" else WINDOWS[window]
     lengths = np.array([[0], [3], [9], [12]])
-    got = built(np, lengths, 5, 12, *band)
     want = lengths_mask(lengths, (4, 2), 5, 12, band)
-    assert np.array_equal(np.broadcast_to(got, want.shape), want)
+    for dtype in (np.int64, np.uint32, np.int8):  # unsigned or narrow: no wrap in L - Sq
+        got = built(np, lengths.astype(dtype), 5, 12, *band)
+        assert np.array_equal(np.broadcast_to(got, want.shape), want), dtype
+    # lengths clip to 0 .. Sk
+    clipped = built(np, np.array([[-3], [20]]), 5, 12, *band)
+    assert np.array_equal(clipped, built(np, np.array([[0], [12]]), 5, 12, *band))
     rng = np.random.default_rng(8)
     q = rng.standard_normal((4, 2, 5, 8))
     k, v = rng.standard_normal((2, 4, 1, 12, 8))
@@ -286,6 +290,15 @@ def test_lengths_as_a_mask(window):
     ref, ref_lse = cuattn.attention(q, k, v, k_lengths=lengths, return_lse=True, **kw)
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+
+
+def test_empty_batch_with_key_lengths():
+    q = np.zeros((0, 2, 3, 8))
+    k = np.zeros((0, 1, 6, 8))
+    out, lse = cuattn.attention(q, k, k, k_lengths=np.zeros((0, 1), int), return_lse=True)
+    assert out.shape == (0, 2, 3, 8) and lse.shape == (0, 2, 3)
+    grads = cuattn.attention_backward(out, q, k, k, out, lse, k_lengths=np.zeros((0, 1), int))
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
 def test_docs_page_examples():
