@@ -161,9 +161,21 @@ def check_paged(q, k_pages, v_pages, block_table, out=None) -> Paged:
         for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
             if xo is xp and may_overlap(out, x):
                 raise ValueError(f"out overlaps {name}; it must be a separate array")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype} (they must "
+                            f"match; cuattn does not promote silently)")
+    if q.ndim >= 1 and k_pages.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k_pages has head dim {k_pages.shape[-1]} but q has {q.shape[-1]} "
+                         f"(they must match)")
     table = _index_array(block_table, "block_table", xp, q, "q")
     if table.ndim != 2:
         raise ValueError(f"block_table must be 2-D (B, max_pages), got shape {table.shape}")
+    entries = (table.shape[0],) + k_pages.shape[1:-2]
+    if not _broadcasts(entries, q.shape[:-2]):
+        raise ValueError(f"the table's rows and the pools' leading dims {entries} "
+                         f"(block_table {table.shape}, k_pages {k_pages.shape}) do not "
+                         f"broadcast with q's leading dims {q.shape[:-2]}")
     stand_ins = []
     for x in pools:
         rows = table.shape[1] * x.shape[-2]
@@ -171,6 +183,14 @@ def check_paged(q, k_pages, v_pages, block_table, out=None) -> Paged:
         stand_ins.append(xp.broadcast_to(x[:1, ..., :1, :], shape))
     return Paged(k_pages=k_pages, v_pages=v_pages, table=table, k=stand_ins[0],
                  v=stand_ins[1])
+
+
+def _broadcasts(a: tuple, b: tuple) -> bool:
+    try:
+        np.broadcast_shapes(a, b)
+    except ValueError:
+        return False
+    return True
 
 
 def check_pages_used(paged: Paged, lengths) -> int:

@@ -94,7 +94,8 @@ def test_one_table_row_for_every_entry():
     ({"block_table": np.where(TABLE == 99, 24, TABLE)}, ValueError,
      r"block_table\[0, 3\] = -1 is not a page"),
     ({"k_lengths": np.array([10, 21, 3, 0])[:, None]}, ValueError, "between 0 and Sk=20"),
-    ({"block_table": np.zeros((3, 5), int)}, ValueError, "do not broadcast"),
+    ({"block_table": np.zeros((3, 5), int)}, ValueError,
+     r"the table's rows and the pools' leading dims \(3, 2\) .* do not broadcast"),
 ])
 def test_errors(kw, exc, text):
     rng = np.random.default_rng(3)
@@ -119,8 +120,10 @@ def test_pool_errors():
         cuattn.attention(q, kp[0, 0], vp, **kw)
     with pytest.raises(ValueError, match="same pages"):
         cuattn.attention(q, kp, vp[:5], **kw)
-    with pytest.raises(TypeError, match="share one dtype"):
+    with pytest.raises(TypeError, match="v_pages has dtype float64 but q has float32"):
         cuattn.attention(q, kp, vp.astype(np.float64), **kw)
+    with pytest.raises(ValueError, match="k_pages has head dim 8 but q has 16"):
+        cuattn.attention(q, kp[..., :8], vp, **kw)
     with pytest.raises(ValueError, match="out overlaps v_pages"):
         cuattn.attention(q, kp, vp, out=vp[:4, :, :1, :], **kw)
     with pytest.raises(ValueError, match="at least one page"):
