@@ -130,6 +130,15 @@ class Paged:
     def page_size(self) -> int:
         return self.k_pages.shape[-2]
 
+    def longest_per_row(self, lengths):
+        """The longest of the (non-empty) key ``lengths`` on each table row: ``(rows,)``,
+        or ``(1,)`` where one value serves every row. The lengths are right-aligned to the
+        batch shape, whose table axis stands in front of the pools' leading dims."""
+        axis = lengths.ndim - (self.k_pages.ndim - 2)
+        if self.table.shape[0] == 1 or axis < 0 or lengths.shape[axis] == 1:
+            return lengths.max().reshape(1)
+        return lengths.max(axis=tuple(a for a in range(lengths.ndim) if a != axis))
+
 
 def check_paged(q, k_pages, v_pages, block_table, out=None) -> Paged:
     """Validate the pools and the page table of a paged call (docs/semantics.rst, "Paged
@@ -197,14 +206,10 @@ def check_pages_used(paged: Paged, lengths) -> int:
     """The table columns that the host key ``lengths`` (validated, broadcast to the batch
     shape) reach; for a host table, checks that each of them names a page of the pools
     wherever an entry reaches it (the columns past an entry's length are not read)."""
-    page_size, rows = paged.page_size, paged.table.shape[0]
-    axis = lengths.ndim - (paged.k_pages.ndim - 2)  # the batch axis of the table's rows
-    per_row = lengths.max(axis=tuple(a for a in range(lengths.ndim) if a != axis),
-                          initial=0) if lengths.size else np.zeros(rows, np.int64)
-    if per_row.shape[0] != rows:  # one table row for every entry along the axis
-        per_row = per_row.max(keepdims=True, initial=0)
-    pages = -(-per_row // page_size)
-    used = int(pages.max(initial=0))
+    if lengths.size == 0:
+        return 0
+    pages = -(-paged.longest_per_row(lengths) // paged.page_size)
+    used = int(pages.max())
     if isinstance(paged.table, np.ndarray) and used:
         table = paged.table[:, :used]
         bad = (np.arange(used) < pages[:, None]) & ((table < 0)

@@ -33,37 +33,31 @@ def gathered(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall
     keys = used * paged.page_size
     mask, bias = (None if x is None else x[..., :keys] if x.shape[-1] > 1 else x
                   for x in (call.mask, call.bias))
-    v = _gather(paged.v_pages, paged.table, used)
+    xp = call.xp
+    v = _gather(xp, paged.v_pages, paged.table, used)
     if not on_host:
-        v = _zero_past(v, lengths, call.batch_shape, paged)
-    return dataclasses.replace(call, k=_gather(paged.k_pages, paged.table, used), v=v,
+        v = _zero_past(xp, v, lengths, paged)
+    return dataclasses.replace(call, k=_gather(xp, paged.k_pages, paged.table, used), v=v,
                                mask=mask, bias=bias, seqlen_k=keys)
 
 
-def _zero_past(v, lengths, batch_shape: tuple, paged: Paged):
+def _zero_past(xp, v, lengths, paged: Paged):
     """The gathered values ``v`` (B, ..., keys, Dv) with the rows past the longest device
     length of each table row set to 0. Device lengths run as a mask, which gives those
     keys weight 0 but still reads their values: the columns past a length may name any
     page (a -1 wraps), whose rows need not be finite, and 0 times them must stay 0."""
-    xp = _module(v)
     if lengths.size == 0:
         return v
-    lead = len(batch_shape) - lengths.ndim
-    axis = len(batch_shape) - (paged.k_pages.ndim - 2) - lead  # the table rows' axis
-    if paged.table.shape[0] == 1 or axis < 0 or lengths.shape[axis] == 1:
-        longest = lengths.max().reshape(1)
-    else:
-        longest = lengths.max(axis=tuple(a for a in range(lengths.ndim) if a != axis))
+    longest = paged.longest_per_row(lengths)
     keys = v.shape[-2]
     valid = xp.arange(keys) < longest.astype(xp.int64)[:, None]
     valid = valid.reshape((valid.shape[0],) + (1,) * (v.ndim - 3) + (keys, 1))
     return xp.where(valid, v, xp.zeros((), v.dtype))
 
 
-def _gather(pool, table, used: int):
+def _gather(xp, pool, table, used: int):
     """``(B, ..., used · page_size, D)``: the pages of the first ``used`` table columns of
     each row, in order, copied out of ``pool`` ``(num_pages, ..., page_size, D)``."""
-    xp = np if isinstance(pool, np.ndarray) else _module(pool)
     num_pages, mid = pool.shape[0], pool.shape[1:-2]
     table = table[:, :used]
     if isinstance(table, np.ndarray):
@@ -80,9 +74,3 @@ def _gather(pool, table, used: int):
     pages = pool[tuple(index)]  # (B, *mid, used, page_size, D)
     return pages.reshape(pages.shape[:-3] + (used * pool.shape[-2], pool.shape[-1]))
 
-
-def _module(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-    return cupy

@@ -143,9 +143,9 @@ def test_device_lengths_zero_the_values_past_them():
     table = np.array([[3, 7, 5], [0, 2, 5]])
     q = np.zeros((2, 2, 1, 16))
     paged = check_paged(q, kp, vp, table)
-    v = _paged._gather(vp, table, 3)
+    v = _paged._gather(np, vp, table, 3)
     for lengths in (np.array([[6], [8]]), np.array(8)):
-        zeroed = _paged._zero_past(v, lengths, (2, 2), paged)
+        zeroed = _paged._zero_past(np, v, lengths, paged)
         assert np.isfinite(zeroed).all()
         np.testing.assert_array_equal(zeroed[..., :6, :], v[..., :6, :])
 
