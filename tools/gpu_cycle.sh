@@ -8,6 +8,9 @@
 # tools/warm_cache.py first fills with the selection's instances, each compiled once. On a machine without a package index, WHEELS=DIR installs
 # Dask (the dask extra, for tests/test_dask.py) from wheels brought in DIR. TESTS_LIMIT=S
 # interrupts the tests after S seconds, so that pytest still prints what ran and failed.
+# WARM_LIST=FILE: compile the instances listed there (a previous run's LOGDIR/instances.jsonl)
+# and record the selection for only WARM_RECORD seconds (default 60); every run writes its
+# list to LOGDIR/instances.jsonl.
 set -uo pipefail
 logdir=$1; stage=$2; shift 2
 mkdir -p "$logdir"
@@ -18,7 +21,10 @@ if [ -n "${WHEELS:-}" ] && ! python3 -c "import dask.array, distributed" 2>/dev/
 fi
 case $stage in
   tests)
-    python3 tools/warm_cache.py -- -m gpu -n "$(nproc)" "$@" 2>&1 | tee "$logdir/warm.log"
+    warm=(--save "$logdir/instances.jsonl")
+    [ -n "${WARM_LIST:-}" ] && warm+=(--instances "$WARM_LIST" --record-timeout "${WARM_RECORD:-60}")
+    python3 tools/warm_cache.py "${warm[@]}" -- -m gpu -n "$(nproc)" "$@" 2>&1 \
+      | tee "$logdir/warm.log"
     limit=(); [ -n "${TESTS_LIMIT:-}" ] && limit=(timeout -s INT "$TESTS_LIMIT")
     "${limit[@]}" python3 -m pytest -q -p no:cacheprovider -m gpu -n "$(nproc)" "$@" 2>&1 \
       | tee "$logdir/tests.log" | tail -25 ;;

@@ -3,6 +3,7 @@ with ``python -m``) uses, each compiled once, in parallel:
 
     python3 tools/warm_cache.py [-j JOBS] -- PYTEST ARGS...
     python3 tools/warm_cache.py [-j JOBS] --module cuattn -- bench --suite train --no-peers
+    python3 tools/warm_cache.py --instances LIST --record-timeout 60 --save LIST -- ...
 
 A GPU test run is bound by NVRTC: every xdist worker meets the same uncached instances at
 about the same time and compiles them again. This tool first runs the selection with every
@@ -11,6 +12,12 @@ NumPy's testing asserts switched off, so that a test goes on past its wrong resu
 calls after them (a backward after its forward's check); times are meaningless and only the
 list of instances matters. It then compiles the distinct instances across JOBS processes
 through the loader, so that the real run finds each one in ``CUPY_CACHE_DIR``.
+
+Recording a whole GPU suite takes minutes (the tests' float64 references run on the host):
+``--save`` writes the instances found (one JSON line each) and ``--instances`` compiles a
+saved list as well, so a fresh machine can compile the last run's list while a short
+recording adds what the tests meet anew. A listed instance that no test uses any more costs
+its compile and nothing else.
 """
 from __future__ import annotations
 
@@ -86,12 +93,26 @@ def _compile(folder, filename, name_expression, options):
     return name_expression, time.perf_counter() - t0, None
 
 
+def _portable(key) -> str:
+    """A recorded instance as one JSON text, its kernel folder relative to the checkout
+    (a list travels to another machine, whose checkout lies elsewhere)."""
+    folder, *rest = key
+    try:
+        folder = str(Path(folder).resolve().relative_to(ROOT))
+    except ValueError:  # a folder outside the checkout (CUATTN_KERNEL_DIR) stays as it is
+        pass
+    return json.dumps([folder, *rest])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--record-timeout", type=float, default=300.0,
                         help="seconds the recording run may take (default 300)")
     parser.add_argument("--module", help="record `python -m MODULE ARGS` instead of pytest")
+    parser.add_argument("--instances", type=Path,
+                        help="also compile the instances listed in this file (from --save)")
+    parser.add_argument("--save", type=Path, help="write every instance compiled here")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="pytest's or the module's")
     args = parser.parse_args(argv)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -109,16 +130,26 @@ def main(argv=None) -> int:
                                                           env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         try:
-            subprocess.run(command, cwd=ROOT, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=args.record_timeout)
+            if args.record_timeout > 0:
+                subprocess.run(command, cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               timeout=args.record_timeout)
         except subprocess.TimeoutExpired:
             print(f"recording stopped after {args.record_timeout:.0f} s; warming what it found")
         keys = set()
         for f in Path(directory).glob("*.jsonl"):
             keys.update(f.read_text().splitlines())
-    instances = sorted(tuple(json.loads(k)) for k in keys)
-    print(f"recorded {len(instances)} instances in {time.perf_counter() - t0:.0f} s")
+    recorded = {_portable(json.loads(k)) for k in keys}
+    listed = set()
+    if args.instances is not None and args.instances.is_file():
+        listed = {_portable(json.loads(line))
+                  for line in args.instances.read_text().splitlines() if line.strip()}
+    instances = sorted({*recorded, *listed})
+    print(f"recorded {len(recorded)} instances in {time.perf_counter() - t0:.0f} s; "
+          f"{len(instances)} with the list")
+    if args.save is not None:
+        args.save.write_text("".join(i + "\n" for i in instances))
+    instances = [(str(ROOT / folder), *rest) for folder, *rest in map(json.loads, instances)]
     t0, failed, total = time.perf_counter(), [], 0.0
     with ProcessPoolExecutor(args.jobs) as pool:
         for future in as_completed([pool.submit(_compile, *inst) for inst in instances]):
