@@ -14,8 +14,8 @@ list of instances matters. It then compiles the distinct instances across JOBS p
 through the loader, so that the real run finds each one in ``CUPY_CACHE_DIR``.
 
 Recording a whole GPU suite takes minutes (the tests' float64 references run on the host):
-``--save`` writes the instances found (one JSON line each) and ``--instances`` compiles a
-saved list as well, so a fresh machine can compile the last run's list while a short
+``--save`` writes the instances that compiled (one JSON line each) and ``--instances``
+compiles a saved list as well, so a fresh machine can compile the last run's list while a short
 recording adds what the tests meet anew. A listed instance that no test uses any more costs
 its compile and nothing else.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--module", help="record `python -m MODULE ARGS` instead of pytest")
     parser.add_argument("--instances", type=Path,
                         help="also compile the instances listed in this file (from --save)")
-    parser.add_argument("--save", type=Path, help="write every instance compiled here")
+    parser.add_argument("--save", type=Path, help="write the instances that compiled here")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="pytest's or the module's")
     args = parser.parse_args(argv)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -129,34 +130,44 @@ def main(argv=None) -> int:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
                                                           env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
-        try:
-            if args.record_timeout > 0:
-                subprocess.run(command, cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               timeout=args.record_timeout)
-        except subprocess.TimeoutExpired:
-            print(f"recording stopped after {args.record_timeout:.0f} s; warming what it found")
+        if args.record_timeout > 0:
+            # a session of its own, so that a timeout stops pytest-xdist's workers as well
+            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                proc.wait(timeout=args.record_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                print(f"recording stopped after {args.record_timeout:.0f} s; "
+                      "warming what it found")
         keys = set()
         for f in Path(directory).glob("*.jsonl"):
             keys.update(f.read_text().splitlines())
     recorded = {_portable(json.loads(k)) for k in keys}
     listed = set()
-    if args.instances is not None and args.instances.is_file():
-        listed = {_portable(json.loads(line))
-                  for line in args.instances.read_text().splitlines() if line.strip()}
+    if args.instances is not None:
+        if args.instances.is_file():
+            listed = {_portable(json.loads(line))
+                      for line in args.instances.read_text().splitlines() if line.strip()}
+        else:
+            print(f"no instance list at {args.instances}: warming the recording alone")
     instances = sorted({*recorded, *listed})
     print(f"recorded {len(recorded)} instances in {time.perf_counter() - t0:.0f} s; "
           f"{len(instances)} with the list")
-    if args.save is not None:
-        args.save.write_text("".join(i + "\n" for i in instances))
-    instances = [(str(ROOT / folder), *rest) for folder, *rest in map(json.loads, instances)]
-    t0, failed, total = time.perf_counter(), [], 0.0
+    t0, failed, total, compiled = time.perf_counter(), [], 0.0, []
     with ProcessPoolExecutor(args.jobs) as pool:
-        for future in as_completed([pool.submit(_compile, *inst) for inst in instances]):
+        futures = {pool.submit(_compile, str(ROOT / folder), *rest): text
+                   for text, (folder, *rest) in zip(instances, map(json.loads, instances))}
+        for future in as_completed(futures):
             name, seconds, error = future.result()
             total += seconds
             if error:
                 failed.append(f"{name}: {error}")
+            else:
+                compiled.append(futures[future])
+    if args.save is not None:  # what compiled: a stale name drops out of the list
+        args.save.write_text("".join(i + "\n" for i in sorted(compiled)))
     print(f"compiled {len(instances)} instances in {time.perf_counter() - t0:.0f} s "
           f"({total:.0f} s of compile over {args.jobs} processes); {len(failed)} failed")
     for line in failed:
