@@ -90,8 +90,12 @@ def _rows_folded(x, sq: int):
         row_stride = g_stride
     elif g_stride != sq * row_stride:
         return None
-    shape = (*lead, 1, g * sq, d)
-    strides = (*lead_strides, 0, row_stride, col_stride)
+    return _strided(x, (*lead, 1, g * sq, d), (*lead_strides, 0, row_stride, col_stride))
+
+
+def _strided(x, shape: tuple, strides: tuple):
+    """The view of x's memory (from its first element) with these shape and byte strides,
+    a NumPy or CuPy array like x."""
     if isinstance(x, np.ndarray):
         return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
     return type(x)(shape, x.dtype, memptr=x.data, strides=strides)
@@ -159,11 +163,8 @@ def _chunked_cols(x, chunks: int, width: int):
         return x[..., None, :, :]
     *lead, rows, _ = x.shape
     *lead_strides, row_stride, col_stride = x.strides
-    shape = (*lead, chunks, rows, width)
-    strides = (*lead_strides, width * col_stride, row_stride, col_stride)
-    if isinstance(x, np.ndarray):
-        return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
-    return type(x)(shape, x.dtype, memptr=x.data, strides=strides)
+    return _strided(x, (*lead, chunks, rows, width),
+                    (*lead_strides, width * col_stride, row_stride, col_stride))
 
 
 def _last_cols(x, head: int):
