@@ -163,7 +163,8 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     aligned = mma_aligned(call) and _aligned(dout)
     choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                               call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
-                              aligned, cc, smem_limit, forced, tiles, call.precision)
+                              aligned, cc, smem_limit, forced, tiles, call.precision,
+                              _tf32_forward(call, cc, smem_limit))
     if choice is not None:
         return choice
     raise _no_family("backward kernel family", call, cc, forced)
@@ -171,10 +172,35 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
 
 @functools.lru_cache(maxsize=1024)
 def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dtypes, aligned,
-                     cc, smem_limit, forced, tiles, precision=None) -> BackwardChoice | None:
+                     cc, smem_limit, forced, tiles, precision=None,
+                     tf32_forward=False) -> BackwardChoice | None:
     req = Request(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-                  precision, grad_dtypes)
+                  precision, grad_dtypes, tf32_forward)
     return _first_family(BACKWARD_FAMILIES, req, forced, tiles)
+
+
+#: forward families whose products read TF32 operands
+TF32_FAMILIES = frozenset(f.name for f in FAMILIES if f.precisions == ("tf32",))
+
+
+def _tf32_forward(call: AttentionCall, cc: tuple[int, int], smem_limit: int) -> bool:
+    """Did a TF32 family serve this call's forward (dispatch's pick, CUATTN_KERNEL as the
+    forward saw it)? The backward's lse comes from those scores, and P = exp(s - lse) holds
+    only for scores recomputed from the same operands."""
+    if call.precision != "tf32":
+        return False
+    bias_dtype = None if call.bias is None else call.bias.dtype
+    return tf32_forward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
+                        call.mask is not None, mma_aligned(call), cc, smem_limit,
+                        os.environ.get("CUATTN_KERNEL") or None)
+
+
+def tf32_forward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
+                 forced=None) -> bool:
+    """Does a TF32 family serve the forward of a float32 "tf32" call with these values?"""
+    choice = _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc,
+                     smem_limit, forced, None, "tf32")
+    return choice is not None and choice.family in TF32_FAMILIES
 
 
 def mma_aligned(call: AttentionCall) -> bool:

@@ -219,19 +219,23 @@ def backward_instances(arch: str):
     ``arch``, each family forced in turn (see :func:`gate_calls`), with either gradient
     storage (the input dtype, or the accumulator type for broadcast inputs). Fast: no bias,
     no mask, gradients in place, aligned, dispatch's own pick."""
-    from ._dispatch import BACKWARD_FAMILIES, _choose_backward
+    from ._dispatch import BACKWARD_FAMILIES, _choose_backward, tf32_forward
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in BACKWARD_FAMILIES:
         for dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast in gate_calls(family):
             acc = np.dtype("float64" if dtype == np.float64 else "float32")
+            # the forward of the call as dispatch picks it: TF32 or not
+            tf32 = precision == "tf32" and tf32_forward(dtype, d, dv, bias_dtype, has_mask,
+                                                        aligned, cc, limit)
             for grads in ((dtype, dtype), (acc, acc)):
                 choice = _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads, aligned,
-                                          cc, limit, family.name, None, precision)
+                                          cc, limit, family.name, None, precision, tf32)
                 if choice is None:  # the family does not serve arch
                     continue
                 picked = choice == _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads,
-                                                    aligned, cc, limit, None, None, precision)
+                                                    aligned, cc, limit, None, None, precision,
+                                                    tf32)
                 for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
                     if expr is None:  # no magnitudes kernel
                         continue

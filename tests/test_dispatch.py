@@ -293,6 +293,25 @@ def test_backward_families_and_tiles():
     assert backward(F16, 512).family == "portable"
 
 
+def test_portable_backward_rounds_as_a_tf32_forward():
+    """A "tf32" call that a TF32 family served forward (to D 256 on sm_80+) has its scores
+    recomputed by the portable backward from TF32 operands, so that P = exp(s - lse)
+    matches the forward's lse; past D 256, or below sm_80, the portable forward served it
+    in float32, and so does the backward."""
+    def tf32(head, gpu=H200):
+        return d.tf32_forward(F32, head, head, None, False, True, gpu[0], gpu[1])
+
+    assert tf32(64) and tf32(256) and tf32(200, gpu=A100)
+    assert not tf32(257) and not tf32(512) and not tf32(64, gpu=((7, 5), 65536))
+    assert not d.tf32_forward(F32, 64, 64, None, False, True, (9, 0), H200[1], "portable")
+    rounded = d._choose_backward(F32, 200, 200, None, False, (F32, F32), True, *H200, None,
+                                 None, "tf32", True)
+    assert rounded.family == "portable"
+    assert rounded.dkdv.endswith(", true>") and rounded.dq.endswith(", true>")
+    plain = backward(F32, 200, precision="tf32")
+    assert not plain.dkdv.endswith(", true>") and "TF32" not in plain.dkdv
+
+
 def test_sm90_3xf16_backward_instances_and_shared_memory():
     """The split on float16 wgmma serves float32 "highest" to head dim 128 on sm_90, after a
     magnitudes kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""

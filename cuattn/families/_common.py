@@ -27,6 +27,9 @@ class Request:
     precision: str | None = None
     #: the backward's gradient storage types (dK and dV, dQ)
     grad_dtypes: tuple[np.dtype, np.dtype] | None = None
+    #: the backward's: the forward's products read TF32 operands (a "tf32" family served
+    #: it), so a backward that recomputes the scores rounds its operands the same way
+    tf32_forward: bool = False
 
     @property
     def head(self) -> int:

@@ -26,8 +26,12 @@ FWD = Kernel("attention_fwd_portable",
              "T BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE DV_TILE MIN_BLOCKS PIPELINED ALIGNED")
 FWD_WARPS = Kernel("attention_fwd_portable_warps",
                    "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N ALIGNED LOCKSTEP")
-DKDV = Kernel("attention_bwd_dkdv", "T G BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE RESIDENT MIN_BLOCKS")
-DQ = Kernel("attention_bwd_dq", "T G BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE RESIDENT MIN_BLOCKS")
+DKDV = Kernel("attention_bwd_dkdv",
+              "T G BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE RESIDENT MIN_BLOCKS TF32",
+              defaults={"TF32": False})
+DQ = Kernel("attention_bwd_dq",
+            "T G BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE RESIDENT MIN_BLOCKS TF32",
+            defaults={"TF32": False})
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,8 @@ def backward(req: Request, tiles: BwdTiles | None = None) -> BackwardChoice:
     d_tile = d_tile_of(tiles)
     common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask,
                   BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, D_TILE=d_tile,
-                  RESIDENT=req.head <= d_tile, MIN_BLOCKS=tiles.min_blocks)
+                  RESIDENT=req.head <= d_tile, MIN_BLOCKS=tiles.min_blocks,
+                  TF32=req.tf32_forward)
     g_kv, g_q = req.grad_dtypes
     return BackwardChoice("portable", BACKWARD_FILE, DELTA(T=req.dtype),
                           DKDV(G=g_kv, **common), DQ(G=g_q, **common),

@@ -28,7 +28,9 @@
 //             and K; D_TILE contraction chunk and output-column tile; RESIDENT: both head dims
 //             fit in one D_TILE, so the block's own K, V (dK/dV) or Q, dO (dQ) stay in shared
 //             memory and serve both the scores and the gradient products; otherwise every
-//             tile is re-read per chunk and the column tiles recompute the scores.
+//             tile is re-read per chunk and the column tiles recompute the scores. TF32:
+//             q, k and v as TF32 tensor cores read them (a TF32 forward's operands), so
+//             that P = exp(s - lse) is rebuilt from the scores whose lse the forward wrote.
 // Shared mem: dK/dV: 2*BLOCK_N*(D_TILE+PAD) + 2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(BLOCK_M+PAD);
 //             dQ:    2*BLOCK_M*(D_TILE+PAD) + 2*BLOCK_N*(D_TILE+PAD) + BLOCK_M*(BLOCK_N+PAD)
 //             elements of Acc<T>, PAD = 16 bytes; the layouts: BwdPortableDkdvSmem, BwdPortableDqSmem.
@@ -41,7 +43,7 @@ using namespace cuattn;
 using namespace cuattn::portable;
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N,
-          int D_TILE, bool RESIDENT, int MIN_BLOCKS>
+          int D_TILE, bool RESIDENT, int MIN_BLOCKS, bool TF32 = false>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const AttnBwdParams bp) {
     using A = Acc<T>;
     constexpr int VEC = 16 / sizeof(A), PAD = VEC;
@@ -81,8 +83,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
     const long long head = max(p.head_dim, p.head_dim_v);
     const int num_chunks = RESIDENT ? 1 : (int)((head + D_TILE - 1) / D_TILE);
     if constexpr (RESIDENT) {  // this block's K and V, whole; visible after the first barrier
-        load_tile<BLOCK_N, D_TILE, PAD>(k_s, k, p.k_s.row, p.k_s.col, rows_k, p.head_dim);
-        load_tile<BLOCK_N, D_TILE, PAD>(v_s, v, p.v_s.row, p.v_s.col, rows_k, p.head_dim_v);
+        load_tile<BLOCK_N, D_TILE, PAD, TF32>(k_s, k, p.k_s.row, p.k_s.col, rows_k, p.head_dim);
+        load_tile<BLOCK_N, D_TILE, PAD, TF32>(v_s, v, p.v_s.row, p.v_s.col, rows_k, p.head_dim_v);
     }
     const ScoreConsts<A> consts(p);
 
@@ -98,13 +100,13 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
         for (int dc = 0; dc < num_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if constexpr (!RESIDENT) {
-                load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + d0 * p.k_s.col, p.k_s.row, p.k_s.col,
-                                                rows_k, p.head_dim - d0);
-                load_tile<BLOCK_N, D_TILE, PAD>(v_s, v + d0 * p.v_s.col, p.v_s.row, p.v_s.col,
-                                                rows_k, p.head_dim_v - d0);
+                load_tile<BLOCK_N, D_TILE, PAD, TF32>(k_s, k + d0 * p.k_s.col, p.k_s.row, p.k_s.col,
+                                                      rows_k, p.head_dim - d0);
+                load_tile<BLOCK_N, D_TILE, PAD, TF32>(v_s, v + d0 * p.v_s.col, p.v_s.row, p.v_s.col,
+                                                      rows_k, p.head_dim_v - d0);
             }
-            load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + m0 * p.q_s.row + d0 * p.q_s.col, p.q_s.row,
-                                            p.q_s.col, rows_q, p.head_dim - d0);
+            load_tile<BLOCK_M, D_TILE, PAD, TF32>(q_s, q + m0 * p.q_s.row + d0 * p.q_s.col,
+                                                  p.q_s.row, p.q_s.col, rows_q, p.head_dim - d0);
             load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + m0 * bp.dout_s.row + d0 * bp.dout_s.col,
                                             bp.dout_s.row, bp.dout_s.col, rows_q, p.head_dim_v - d0);
             __syncthreads();  // the chunks are in shared memory
@@ -127,8 +129,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
             }
         }
         if constexpr (!RESIDENT) {  // this block's output columns of Q and dO
-            load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + m0 * p.q_s.row + c0 * p.q_s.col, p.q_s.row,
-                                            p.q_s.col, rows_q, p.head_dim - c0);
+            load_tile<BLOCK_M, D_TILE, PAD, TF32>(q_s, q + m0 * p.q_s.row + c0 * p.q_s.col,
+                                                  p.q_s.row, p.q_s.col, rows_q, p.head_dim - c0);
             load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + m0 * bp.dout_s.row + c0 * bp.dout_s.col,
                                             bp.dout_s.row, bp.dout_s.col, rows_q, p.head_dim_v - c0);
         }
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N,
-          int D_TILE, bool RESIDENT, int MIN_BLOCKS>
+          int D_TILE, bool RESIDENT, int MIN_BLOCKS, bool TF32 = false>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const AttnBwdParams bp) {
     using A = Acc<T>;
     constexpr int VEC = 16 / sizeof(A), PAD = VEC;
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
     const long long head = max(p.head_dim, p.head_dim_v);
     const int num_chunks = RESIDENT ? 1 : (int)((head + D_TILE - 1) / D_TILE);
     if constexpr (RESIDENT) {  // this block's Q and dO, whole; visible after the first barrier
-        load_tile<BLOCK_M, D_TILE, PAD>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
+        load_tile<BLOCK_M, D_TILE, PAD, TF32>(q_s, q, p.q_s.row, p.q_s.col, rows_q, p.head_dim);
         load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout, bp.dout_s.row, bp.dout_s.col, rows_q,
                                         p.head_dim_v);
     }
@@ -222,15 +224,15 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
         for (int dc = 0; dc < num_chunks; ++dc) {
             const long long d0 = (long long)dc * D_TILE;
             if constexpr (!RESIDENT) {
-                load_tile<BLOCK_M, D_TILE, PAD>(q_s, q + d0 * p.q_s.col, p.q_s.row, p.q_s.col,
-                                                rows_q, p.head_dim - d0);
+                load_tile<BLOCK_M, D_TILE, PAD, TF32>(q_s, q + d0 * p.q_s.col, p.q_s.row, p.q_s.col,
+                                                      rows_q, p.head_dim - d0);
                 load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + d0 * bp.dout_s.col, bp.dout_s.row,
                                                 bp.dout_s.col, rows_q, p.head_dim_v - d0);
             }
-            load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
-                                            p.k_s.col, rows_k, p.head_dim - d0);
-            load_tile<BLOCK_N, D_TILE, PAD>(v_s, v + n0 * p.v_s.row + d0 * p.v_s.col, p.v_s.row,
-                                            p.v_s.col, rows_k, p.head_dim_v - d0);
+            load_tile<BLOCK_N, D_TILE, PAD, TF32>(k_s, k + n0 * p.k_s.row + d0 * p.k_s.col,
+                                                  p.k_s.row, p.k_s.col, rows_k, p.head_dim - d0);
+            load_tile<BLOCK_N, D_TILE, PAD, TF32>(v_s, v + n0 * p.v_s.row + d0 * p.v_s.col,
+                                                  p.v_s.row, p.v_s.col, rows_k, p.head_dim_v - d0);
             __syncthreads();  // the chunks are in shared memory
             scores<TM, TN, D_TILE, PAD>(s, q_s, k_s, tx, ty);
             scores<TM, TN, D_TILE, PAD>(dp, do_s, v_s, tx, ty);
@@ -246,8 +248,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
                 ds_s[(ty * TM + i) * (BLOCK_N + PAD) + tx + 16 * j] = dp[i][j];
             }
         if constexpr (!RESIDENT)  // this block's output columns of K
-            load_tile<BLOCK_N, D_TILE, PAD>(k_s, k + n0 * p.k_s.row + c0 * p.k_s.col, p.k_s.row,
-                                            p.k_s.col, rows_k, p.head_dim - c0);
+            load_tile<BLOCK_N, D_TILE, PAD, TF32>(k_s, k + n0 * p.k_s.row + c0 * p.k_s.col,
+                                                  p.k_s.row, p.k_s.col, rows_k, p.head_dim - c0);
         __syncthreads();  // dS and K are in shared memory
         accumulate<TM, TC, BLOCK_N, D_TILE, PAD>(dq, ds_s, k_s, tx, ty);
         __syncthreads();  // consumed before the next key tile overwrites them

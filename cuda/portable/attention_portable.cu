@@ -308,7 +308,16 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             load_tile<BLOCK_N, D_TILE, PAD>(kv_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
                                             p.k_s.col, p.seqlen_k - n0, p.head_dim - d0);
             __syncthreads();  // the Q and K chunks are in shared memory
-            if (!rows_out) scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
+            // past one chunk, each chunk's dot products are summed apart and then added: one
+            // chain of D products loses to a blocked sum (as BLAS adds) past ~256 terms
+            if (!rows_out && num_d_chunks == 1) {
+                scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
+            } else if (!rows_out) {
+                A part[TM][TN];
+                clear_tile(part);
+                scores<TM, TN, D_TILE, PAD>(part, q_s, kv_s, tx, ty);
+                add_tile(s, part);
+            }
             __syncthreads();  // every thread is done with this chunk before it is overwritten
         }
         // interior tile: inside both sequences and inside the band for every row of the block

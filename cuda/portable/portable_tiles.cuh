@@ -34,11 +34,25 @@ __device__ __forceinline__ void lds16(A (&dst)[N], const A* src) {
         *reinterpret_cast<const typename Vec16<A>::type*>(src);
 }
 
+// x as a TF32 tensor core reads it when TF32 (sm_80+): rounded to nearest, ties away
+// (cvt.rna), the low 13 bits clear; x itself otherwise
+template <bool TF32, typename A> __device__ __forceinline__ A tf32_if(A x) {
+    if constexpr (TF32) {
+        static_assert(sizeof(A) == 4, "TF32 rounds float32 operands");
+        unsigned r;
+        asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+        return __uint_as_float(r & 0xFFFFE000u);
+    } else {
+        return x;
+    }
+}
+
 // Copy a ROWS x COLS tile of a strided global tensor into shared memory (row pitch
 // COLS + PAD), converting to the accumulator type. Elements outside [0, nrows) x [0, ncols)
 // become 0 so that partial tiles contribute nothing to the dot products. Each thread keeps
 // one column and walks rows THREADS / COLS apart, so its address advances by one add.
-template <int ROWS, int COLS, int PAD, typename T, typename A>
+// TF32: each element as a TF32 tensor core reads it (tf32_if).
+template <int ROWS, int COLS, int PAD, bool TF32 = false, typename T, typename A>
 __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_stride,
                                           long long col_stride, long long nrows,
                                           long long ncols) {
@@ -49,7 +63,7 @@ __device__ __forceinline__ void load_tile(A* dst, const T* src, long long row_st
     const T* ptr = src + (threadIdx.x / COLS) * row_stride + c * col_stride;
 #pragma unroll 4
     for (int r = threadIdx.x / COLS; r < ROWS; r += ROW_STEP, ptr += ROW_STEP * row_stride)
-        dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? to_acc(*ptr) : A(0);
+        dst[r * (COLS + PAD) + c] = col_ok && r < nrows ? tf32_if<TF32>(to_acc(*ptr)) : A(0);
 }
 
 // The ALIGNED copy of load_tile_async (below) one row step at a time: each next() issues
@@ -145,6 +159,15 @@ __device__ __forceinline__ void clear_tile(A (&x)[R][C]) {
     for (int i = 0; i < R; ++i)
 #pragma unroll
         for (int j = 0; j < C; ++j) x[i][j] = A(0);
+}
+
+// x += y, elementwise
+template <int R, int C, typename A>
+__device__ __forceinline__ void add_tile(A (&x)[R][C], const A (&y)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) x[i][j] += y[i][j];
 }
 
 // scores_strided calls `between(step)` at the head of each contraction step; NoSteps does
