@@ -2,8 +2,9 @@
 
 A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
 keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
-A call with ``k_lengths`` is one dense call per distinct entry of the lengths array: the
-batch entries that share it, against their first ``k_lengths[b]`` keys. Each dense call is
+A call with ``k_lengths`` is one dense call per run of equal entries of the lengths array
+(neighbours along one batch axis): the batch entries of the run, against their first
+``k_lengths[b]`` keys. Each dense call is
 a view of the validated call, run on its backend without validating it again (on the GPU,
 side by side on a few streams); it aligns causal and window masking to its own
 bottom-right corner, which is the per-sequence (per-length) alignment of the contract.
@@ -33,19 +34,31 @@ def _sequences(ragged: Ragged):
 
 
 def _groups(call: AttentionCall, ragged: Ragged):
-    """(batch selection, key count) per distinct entry of the key lengths: the selection
-    takes ``i:i+1`` on the batch axes along which the lengths vary, whole axes elsewhere."""
+    """(batch selection, key count) per run of equal key lengths: the selection takes
+    ``i:j`` along the last batch axis on which the lengths vary, where entries i .. j-1 of
+    it share a length, ``i:i+1`` on the other such axes, and whole axes elsewhere. Equal
+    neighbours make one call, so a batch of equal lengths is one dense call."""
     lengths = ragged.k_lengths
     if lengths.size == 0:  # an empty batch: no call
         return
     vary = [a for a, (n, st) in enumerate(zip(lengths.shape, lengths.strides))
             if n > 1 and st != 0]
-    for idx in np.ndindex(*(lengths.shape[a] for a in vary)):
+    if not vary:
+        yield (slice(None),) * len(call.batch_shape), int(lengths.flat[0])
+        return
+    *outer, last = vary
+    for idx in np.ndindex(*(lengths.shape[a] for a in outer)):
         sel = [slice(None)] * len(call.batch_shape)
         at = [0] * len(call.batch_shape)
-        for a, i in zip(vary, idx):
+        for a, i in zip(outer, idx):
             sel[a], at[a] = slice(i, i + 1), i
-        yield tuple(sel), int(lengths[tuple(at)])
+        along = lengths[tuple(slice(None) if a == last else i for a, i in enumerate(at))]
+        start = 0
+        for i in range(1, len(along) + 1):
+            if i == len(along) or along[i] != along[start]:
+                sel[last] = slice(start, i)
+                yield tuple(sel), int(along[start])
+                start = i
 
 
 def _select(x, sel: tuple):
@@ -135,7 +148,7 @@ def forward(call: AttentionCall, ragged: Ragged):
 def _group(call: AttentionCall, out, sel: tuple, n: int) -> AttentionCall:
     """The batch entries ``sel`` of a validated call against their first ``n`` keys: views
     of its arrays, valid as they are, into their entries of ``out``, with their lse."""
-    batch = tuple(m if s == slice(None) else 1 for s, m in zip(sel, call.batch_shape))
+    batch = tuple(len(range(m)[s]) for s, m in zip(sel, call.batch_shape))
     return dataclasses.replace(
         call, q=_select(call.q, sel), k=_keys(_select(call.k, sel), n, -2),
         v=_keys(_select(call.v, sel), n, -2), mask=_keys(_select(call.mask, sel), n, -1),

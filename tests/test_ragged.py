@@ -176,6 +176,32 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
     assert len(set(used)) == min(parts, _gpu.PART_STREAMS)
 
 
+def test_equal_neighbouring_lengths_share_a_call():
+    """Runs of equal lengths along the last varying batch axis are one dense call each, and
+    the result is the masked call's whatever the runs (lengths varying on two axes)."""
+    from cuattn._checks import check_attention
+    from cuattn._checks_ragged import check_ragged
+    from cuattn._ragged import _groups
+    rng = np.random.default_rng(6)
+    lengths = np.array([[5, 5, 9], [0, 0, 0], [9, 2, 2], [7, 7, 7]])  # (B 4, H 3)
+    q = rng.standard_normal((4, 3, 3, 8))
+    k = rng.standard_normal((4, 3, 9, 8))
+    v = rng.standard_normal((4, 3, 9, 8))
+    call = check_attention(q, k, v, causal=True)
+    runs = [(sel, n) for sel, n in _groups(call, check_ragged(call, k_lengths=lengths))]
+    assert [n for _, n in runs] == [5, 9, 0, 9, 2, 7]
+    assert runs[0][0] == (slice(0, 1), slice(0, 2)) and runs[-1][0] == (slice(3, 4), slice(0, 3))
+    out, lse = cuattn.attention(q, k, v, k_lengths=lengths, causal=True, return_lse=True)
+    full = lengths_mask(lengths, (4, 3), 3, 9, (-1, 0))
+    ref, ref_lse = attention_reference(q, k, v, mask=full)
+    assert_accurate(out, ref, naive_attention(q, k, v, mask=full))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    dout = rng.standard_normal(out.shape)
+    grads = cuattn.attention_backward(dout, q, k, v, out, lse, k_lengths=lengths, causal=True)
+    for g, r in zip(grads, attention_backward_reference(dout, q, k, v, mask=full)):
+        np.testing.assert_allclose(g, r, atol=1e-10)
+
+
 def test_key_lengths_equal_to_a_shorter_dense_call():
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (4, 10, 10))
