@@ -227,6 +227,27 @@ def test_cublas_path_packed_weights_with_some_or_no_biases(biases):
     assert len(gemm.calls) == (2 if biases == "none" else 4)  # one product needs every bias
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cols", [1, 3, 4, 6, 768])
+def test_bias_rows_copy_the_bits(dtype, cols):
+    """Bias rows, copied as wider integers where a row allows it, hold the bias's bits in
+    every row (NaN payloads and -0 included), in a contiguous output and in a column block
+    of a wider one."""
+    rng = np.random.default_rng(cols)
+    bits = rng.integers(0, 2 ** (8 * np.dtype(dtype).itemsize), cols, dtype=np.uint64)
+    row = bits.astype(f"u{np.dtype(dtype).itemsize}").view(dtype)
+    want = np.broadcast_to(row, (5, cols)).view(f"u{np.dtype(dtype).itemsize}")
+    out = np.zeros((5, cols), dtype)
+    layers._fill_rows(np, out, row)
+    assert np.array_equal(out.view(want.dtype), want)
+    wide = np.zeros((5, 3 * cols), dtype)
+    layers._fill_rows(np, wide[:, cols:2 * cols], row)
+    assert np.array_equal(wide[:, cols:2 * cols].view(want.dtype), want)
+    assert not wide[:, :cols].view(want.dtype).any() and not wide[:, 2 * cols:].view(
+        want.dtype).any()
+
+
 def test_gemm_algorithm_takes_tensor_ops_for_16_bit_products():
     """16-bit products pass the tensor-op algorithm where CuPy's matmul does (compute
     capability 8.0 on, 7.0 for float16); float32 and float64 keep cuBLAS's own choice, and
