@@ -43,16 +43,18 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
     """The call with q's innermost batch axis (G entries) folded into its query rows, or
     None where that is not exact or does not pay.
 
-    Folding needs keys and values broadcast along that axis, no mask or bias, a band that
-    allows every key to every row (bottom-right aligned: ``window_right >= Sq - 1`` and
-    ``window_left >= Sk - 1``, e.g. causal with one query row), and q and ``out`` whose G
-    and Sq axes are one run of rows (always so for Sq = 1). It pays while Sq is under one
-    block of rows: each block then reads its keys for G times as many rows. The folded
-    call's q and out are views of the call's: (..., 1, G * Sq, D); so are its results.
+    Folding needs keys and values broadcast along that axis, a mask and bias (if any) the
+    same for every folded row (size 1 on that axis and on the query axis: per key, as key
+    lengths make for one query row), a band that allows every key to every row
+    (bottom-right aligned: ``window_right >= Sq - 1`` and ``window_left >= Sk - 1``, e.g.
+    causal with one query row), and q and ``out`` whose G and Sq axes are one run of rows
+    (always so for Sq = 1). It pays while Sq is under one block of rows: each block then
+    reads its keys for G times as many rows. The folded call's q and out are views of the
+    call's: (..., 1, G * Sq, D); so are its results.
     """
     batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
-    if (call.mask is not None or call.bias is not None or not batch or batch[-1] == 1
-            or sq == 0 or sq >= ROWS_PER_BLOCK):
+    if (not batch or batch[-1] == 1 or sq == 0 or sq >= ROWS_PER_BLOCK
+            or not all(_per_key(x) for x in (call.mask, call.bias))):
         return None
     if any(x.ndim >= 3 and x.shape[-3] != 1 for x in (call.k, call.v)):
         return None
@@ -67,6 +69,12 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
         return None
     return dataclasses.replace(call, q=q, out=out, batch_shape=batch[:-1] + (1,),
                                seqlen_q=batch[-1] * sq, window_left=-1, window_right=-1)
+
+
+def _per_key(x) -> bool:
+    """Is a mask or bias (None: none) the same for every query row and every entry of the
+    innermost batch axis?"""
+    return x is None or (x.shape[-2] == 1 and (x.ndim < 3 or x.shape[-3] == 1))
 
 
 def run_folded(call: AttentionCall, run):

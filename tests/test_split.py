@@ -131,13 +131,38 @@ def test_fold_groups_equals_unfolded(dtype, sq, sk, layout, kw):
     np.testing.assert_array_equal(buf, out)
 
 
+@pytest.mark.parametrize("sq", [1, 3])
+def test_fold_groups_with_a_mask_and_bias_per_key(sq):
+    """A mask and a bias that hold per key (key lengths as a mask, one query row) fold with
+    the groups, and the folded call equals the unfolded one."""
+    q, k, v = _group_inputs(np.float64, sq, 300)
+    rng = np.random.default_rng(sq)
+    mask = rng.random((2, 1, 1, 1, 300)) > 0.3
+    mask[0, ..., :] = False                                   # entry 0: no key at all
+    bias = rng.standard_normal((3, 1, 1, 300))
+    call = check_attention(q, k, v, mask=mask, bias=bias, return_lse=True)
+    folded = _split.fold_groups(call)
+    assert folded is not None and folded.seqlen_q == 4 * sq
+    out, lse = _cpu.attention_forward(folded)
+    out, lse = out.reshape(call.out_shape), lse.reshape(call.lse_shape)
+    ref, ref_lse = attention_reference(q, k, v, mask=mask, bias=bias)
+    assert_accurate(out, ref, naive_attention(q, k, v, mask=mask, bias=bias))
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)) and np.isneginf(lse[0]).all()
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-12)
+
+
 def test_fold_groups_only_where_exact_and_useful():
     q, k, v = _group_inputs(np.float32, 3, 300)
     fold = _split.fold_groups
     assert fold(check_attention(q, k, v)) is not None
     assert fold(check_attention(q, k, v, causal=True)) is None       # rows see different keys
     assert fold(check_attention(q, k, v, window=(100, None))) is None
-    assert fold(check_attention(q, k, v, mask=np.ones((3, 300), bool))) is None
+    assert fold(check_attention(q, k, v, mask=np.ones((3, 300), bool))) is None  # per row
+    assert fold(check_attention(q, k, v, mask=np.ones((4, 1, 300), bool))) is None  # per group
+    assert fold(check_attention(q, k, v, bias=np.ones((2, 3, 4, 1, 300), np.float32))) is None
+    assert fold(check_attention(q, k, v, mask=np.ones((2, 1, 1, 1, 300), bool))) is not None
+    assert fold(check_attention(q, k, v, bias=np.ones((1, 300), np.float32))) is not None
     assert fold(check_attention(q, np.broadcast_to(k, (2, 3, 4, 300, 16)), v)) is None
     wide, kw, vw = _group_inputs(np.float32, 64, 300)                 # a full block of rows
     assert fold(check_attention(wide, kw, vw)) is None
