@@ -164,7 +164,7 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                               call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
                               aligned, cc, smem_limit, forced, tiles, call.precision,
-                              _tf32_forward(call, cc, smem_limit))
+                              _tf32_forward(call, cc, smem_limit, forced))
     if choice is not None:
         return choice
     raise _no_family("backward kernel family", call, cc, forced)
@@ -183,16 +183,17 @@ def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dty
 TF32_FAMILIES = frozenset(f.name for f in FAMILIES if f.precisions == ("tf32",))
 
 
-def _tf32_forward(call: AttentionCall, cc: tuple[int, int], smem_limit: int) -> bool:
-    """Did a TF32 family serve this call's forward (dispatch's pick, CUATTN_KERNEL as the
-    forward saw it)? The backward's lse comes from those scores, and P = exp(s - lse) holds
-    only for scores recomputed from the same operands."""
+def _tf32_forward(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
+                  forced: str | None) -> bool:
+    """Did a TF32 family serve this call's forward? Dispatch's pick for it, or the family
+    that the backward is forced to (``kernel=`` or CUATTN_KERNEL), taken to have served the
+    forward as well. The backward's lse comes from those scores, and P = exp(s - lse)
+    holds only for scores recomputed from the same operands."""
     if call.precision != "tf32":
         return False
     bias_dtype = None if call.bias is None else call.bias.dtype
     return tf32_forward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
-                        call.mask is not None, mma_aligned(call), cc, smem_limit,
-                        os.environ.get("CUATTN_KERNEL") or None)
+                        call.mask is not None, mma_aligned(call), cc, smem_limit, forced)
 
 
 def tf32_forward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,

@@ -236,7 +236,7 @@ def test_portable_pipeline_and_16_byte_copies():
     assert expr(F64, 64, True, gpu=((7, 5), 65536)).startswith("attention_fwd_portable<")
     # 16-bit inputs convert on load, and Q beyond one chunk is not pipelined
     assert expr(F16, 128, True).endswith(", false, false>")
-    assert expr(F32, 512, True).endswith(", false, false>")
+    assert expr(F32, 512, True).endswith(", false, false, true>")  # four chunks: CHUNKED
     # before sm_80 there is no cp.async
     assert expr(F32, 64, True, gpu=((7, 5), 65536)).endswith(", false, false>")
     # the H200 gets the swept 128x64 (D128) and 128x128 (D64) float32 tiles

@@ -23,7 +23,8 @@ FORWARD_FILE = "portable/attention_portable.cu"
 BACKWARD_FILE = "portable/attention_backward_portable.cu"
 
 FWD = Kernel("attention_fwd_portable",
-             "T BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE DV_TILE MIN_BLOCKS PIPELINED ALIGNED")
+             "T BiasT HAS_MASK BLOCK_M BLOCK_N D_TILE DV_TILE MIN_BLOCKS PIPELINED ALIGNED CHUNKED",
+             defaults={"CHUNKED": False})
 FWD_WARPS = Kernel("attention_fwd_portable_warps",
                    "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N ALIGNED LOCKSTEP")
 DKDV = Kernel("attention_bwd_dkdv",
@@ -149,7 +150,7 @@ def forward(req: Request, tiles: Tiles | None = None) -> KernelChoice:
     else:
         expr = FWD(**common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, D_TILE=d_tile,
                    DV_TILE=dv_tile, MIN_BLOCKS=tiles.min_blocks, PIPELINED=pipelined,
-                   ALIGNED=pipelined and req.aligned)
+                   ALIGNED=pipelined and req.aligned, CHUNKED=req.head_dim > d_tile)
     return KernelChoice("portable", FORWARD_FILE, expr, tiles, d_tile, dv_tile, smem)
 
 

@@ -28,7 +28,10 @@
 //             BLOCK_M, BLOCK_N tile rows of Q and K; D_TILE contraction chunk; DV_TILE output
 //             columns per block (all multiples of 16); MIN_BLOCKS for __launch_bounds__;
 //             ALIGNED (pipelined only): the copies move 16-byte chunks (unit column strides,
-//             16-byte row strides and pointers, head dims multiples of 16 bytes).
+//             16-byte row strides and pointers, head dims multiples of 16 bytes); CHUNKED:
+//             D > D_TILE, each chunk's dot products summed apart and then added to the
+//             scores (a blocked sum, as BLAS adds: one chain of 400-odd float32 products
+//             is less accurate), in registers that one-chunk instances do not hold.
 // Shared mem: (BLOCK_M*(D_TILE+PAD) + KV + BLOCK_M*(BLOCK_N+PAD)) * sizeof(Acc<T>),
 //             PAD = 16 bytes of Acc<T>, KV = BLOCK_N*(max(D_TILE, DV_TILE)+PAD), or
 //             2*BLOCK_N*(D_TILE+PAD) + BLOCK_N*(DV_TILE+PAD) when PIPELINED;
@@ -215,7 +218,7 @@ __device__ __forceinline__ void store_rows(const A (&acc)[TM][TV], const A (&m)[
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int BLOCK_M, int BLOCK_N, int D_TILE,
-          int DV_TILE, int MIN_BLOCKS, bool PIPELINED, bool ALIGNED>
+          int DV_TILE, int MIN_BLOCKS, bool PIPELINED, bool ALIGNED, bool CHUNKED = false>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(const AttnParams p) {
     using A = Acc<T>;
     static_assert(!PIPELINED || sizeof(T) == sizeof(A), "the cp.async pipeline copies T as is");
@@ -308,15 +311,15 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             load_tile<BLOCK_N, D_TILE, PAD>(kv_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
                                             p.k_s.col, p.seqlen_k - n0, p.head_dim - d0);
             __syncthreads();  // the Q and K chunks are in shared memory
-            // past one chunk, each chunk's dot products are summed apart and then added: one
-            // chain of D products loses to a blocked sum (as BLAS adds) past ~256 terms
-            if (!rows_out && num_d_chunks == 1) {
-                scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
+            if constexpr (CHUNKED) {  // this chunk's sums apart, then into the scores
+                if (!rows_out) {
+                    A part[TM][TN];
+                    clear_tile(part);
+                    scores<TM, TN, D_TILE, PAD>(part, q_s, kv_s, tx, ty);
+                    add_tile(s, part);
+                }
             } else if (!rows_out) {
-                A part[TM][TN];
-                clear_tile(part);
-                scores<TM, TN, D_TILE, PAD>(part, q_s, kv_s, tx, ty);
-                add_tile(s, part);
+                scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
             }
             __syncthreads();  // every thread is done with this chunk before it is overwritten
         }
