@@ -240,9 +240,9 @@ def _run(call: AttentionCall, kernel, tiles, split: bool, lse=None):
     chunks = 1
     if split and kernel is None and tiles is None:
         # query groups as rows: each block reads its keys once for the whole group (its
-        # lse folds too, so not into a given lse)
-        result = (None if lse is not None else
-                  _split.run_folded(call, lambda folded: _run(folded, None, None, True)))
+        # lse folds too: a given lse must take the folded rows' view)
+        result = _split.run_folded(
+            call, lambda folded, target=None: _run(folded, None, None, True, target), lse)
         if result is not None:
             return result
         if call.seqlen_q and call.seqlen_k:

@@ -77,16 +77,24 @@ def _per_key(x) -> bool:
     return x is None or (x.shape[-2] == 1 and (x.ndim < 3 or x.shape[-3] == 1))
 
 
-def run_folded(call: AttentionCall, run):
+def run_folded(call: AttentionCall, run, lse=None):
     """``(out, lse)`` of a validated call computed by ``run`` on its folded form
     (:func:`fold_groups`), as arrays of the call's shapes, followed by whatever else
-    ``run`` returns; None where it does not fold."""
+    ``run`` returns; None where it does not fold. ``lse``: an array of the call's lse
+    shape to write the lse into, whose G and Sq axes must then be one run (else None);
+    ``run`` is called with the folded call and the view (..., 1, G * Sq) of it."""
     folded = fold_groups(call)
     if folded is None:
         return None
-    out, lse, *rest = run(folded)
-    return (call.out if call.out is not None else out.reshape(call.out_shape),
-            None if lse is None else lse.reshape(call.lse_shape), *rest)
+    if lse is None:
+        out, lse, *rest = run(folded)
+        lse = None if lse is None else lse.reshape(call.lse_shape)
+    else:
+        target = _rows_folded(lse[..., None], call.seqlen_q)
+        if target is None:
+            return None
+        out, _, *rest = run(folded, target[..., 0])
+    return (call.out if call.out is not None else out.reshape(call.out_shape), lse, *rest)
 
 
 def _rows_folded(x, sq: int):

@@ -152,6 +152,28 @@ def test_fold_groups_with_a_mask_and_bias_per_key(sq):
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-12)
 
 
+def test_run_folded_into_a_given_lse():
+    """A given lse (a view into a larger array, as a ragged call's parts get) takes the
+    folded rows' lse in place; one whose G and Sq axes are not one run does not fold."""
+    q, k, v = _group_inputs(np.float64, 3, 300)
+    call = check_attention(q, k, v, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v)
+
+    def run(folded, target):
+        out, lse = _cpu.attention_forward(folded)
+        target[...] = lse
+        return out, target
+
+    whole = np.full((2,) + call.lse_shape, np.nan)
+    out, lse = _split.run_folded(call, run, whole[1])
+    assert lse is whole[1] or np.shares_memory(lse, whole)
+    np.testing.assert_allclose(whole[1], ref_lse, rtol=1e-12)
+    assert np.isnan(whole[0]).all()
+    assert_accurate(out, ref_out, naive_attention(q, k, v))
+    rows_apart = np.zeros(call.lse_shape[:-1] + (4,))[..., :3]   # G stride 4, Sq 3
+    assert _split.run_folded(call, run, rows_apart) is None
+
+
 def test_fold_groups_only_where_exact_and_useful():
     q, k, v = _group_inputs(np.float32, 3, 300)
     fold = _split.fold_groups
