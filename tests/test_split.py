@@ -288,3 +288,40 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     got = cuattn.attention(*dev, out=buf, **kw)
     assert got is buf
     assert_accurate(np.asarray(buf), ref, naive_attention(*host, **host_kw))
+
+
+@pytest.mark.parametrize("lengths", [[[[4000]]], [[[4000]], [[3000]]]])
+def test_key_lengths_fold_query_groups_on_host_memory(lengths, monkeypatch):
+    """A GQA decoding call with host key lengths runs each run of equal lengths as a dense
+    part whose lse goes into the call's lse array; the part's query groups still fold into
+    rows (the launches see G query rows of one batch entry), through a CuPy stand-in on host
+    memory, and the result equals the float64 reference."""
+    from _hostdev import Memory, emulate_forward, fake_gpu, fields
+    from test_merge import _emulate_merge_parts
+
+    import cuattn
+    from cuattn.reference import lengths_mask
+
+    arrays, launches, rows = [], [], []
+    forward = emulate_forward(Memory(arrays), np.float16)
+
+    def seen(block, pointers, grid):
+        rows.append(int(fields(block)["seqlen_q"]))
+        forward(block, pointers, grid)
+
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16,
+                      {"merge": _emulate_merge_parts(Memory(arrays), np.float16),
+                       "attention_fwd": seen})
+    lengths = np.array(lengths)                       # (B, 1, 1)
+    b = lengths.shape[0]
+    rng = np.random.default_rng(b)
+    host = [rng.standard_normal(shape).astype(np.float16)
+            for shape in ((b, 2, 3, 1, 8), (b, 2, 1, 4100, 8), (b, 2, 1, 4100, 8))]
+    dev = [x.copy().view(device) for x in host]
+    arrays.extend(dev)
+    out, lse = cuattn.attention(*dev, k_lengths=lengths, return_lse=True)
+    assert rows and set(rows) == {3}                  # three query groups as rows
+    full = lengths_mask(lengths, (b, 2, 3), 1, 4100, (-1, -1))
+    ref, ref_lse = attention_reference(*host, mask=full)
+    assert_accurate(np.asarray(out), ref, naive_attention(*host, mask=full))
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
