@@ -15,7 +15,14 @@ import os
 import numpy as np
 
 from . import _dispatch, _split
-from ._checks import AttentionCall, check_attention, loaded_cupy, lse_dtype, sum_to_shape
+from ._checks import (
+    AttentionCall,
+    check_attention,
+    loaded_cupy,
+    lse_dtype,
+    may_overlap,
+    sum_to_shape,
+)
 from ._kernels import get_kernel
 from ._launch import (
     Launch,
@@ -150,19 +157,22 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
     return plan
 
 
-#: Repeated calls: the signature of a CuPy call without ``out`` whose arguments were
-#: validated and whose launch plan exists -> (out shape, dtype, lse shape and dtype, plan).
-#: The signature holds everything validation and dispatch read: the arrays' type, shapes,
-#: strides, dtypes and devices (q, k, v, and mask and bias when given), where q, k, v
+#: Repeated calls: the signature of a plain CuPy call whose arguments were validated and
+#: whose launch plan exists -> (out shape, dtype, lse shape and dtype, plan). The signature
+#: holds everything validation and dispatch read: the arrays' type, shapes, strides,
+#: dtypes and devices (q, k, v, and mask, bias and out when given), where q, k, v
 #: start within 16 bytes, the scalar arguments as given (window sides with their
 #: types, since (1.0, 2) is refused where (1, 2) is not) and the environment variables that
 #: choose a family or the sources; so a call that matches one needs neither.
 _repeated: dict = {}
 
 
-def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision):
+def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision,
+                  out=None):
     """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
-    unseen signature is validated and planned the long way, then remembered)."""
+    unseen signature is validated and planned the long way, then remembered). A given
+    ``out`` is part of the signature (shape, strides, dtype, device); that it overlaps no
+    input is checked per call, on its addresses."""
     cupy = loaded_cupy()
     if cupy is None:  # nothing has imported CuPy: q is no cupy.ndarray
         return None
@@ -181,6 +191,11 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
         xd = x.data
         extra.append((x.shape, x.strides, x.dtype, xd.device_id))
         pointers[slot] = xd.ptr
+    out_key = None
+    if out is not None:
+        if type(out) is not ndarray:
+            return None
+        out_key = (out.shape, out.strides, out.dtype, out.data.device_id)
     if window is not None:
         if type(window) is not tuple:
             return None
@@ -189,7 +204,8 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
         window_key = None
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
            v.dtype, device, kd.device_id, vd.device_id, qd.ptr % 16, kd.ptr % 16, vd.ptr % 16,
-           *extra, window_key, type(scale), scale, type(causal), causal, type(softcap), softcap,
+           *extra, out_key, window_key, type(scale), scale, type(causal), causal,
+           type(softcap), softcap,
            type(return_lse), return_lse, precision,
            os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
     try:
@@ -199,7 +215,7 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
     if entry is None:
         call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                                bias=bias, softcap=softcap, return_lse=return_lse,
-                               precision=precision)
+                               precision=precision, out=out)
         # the plan of a folded call takes the same pointers (views of the same arrays)
         out, lse, plan = _run(call, None, None, True)
         if plan is not None:
@@ -211,7 +227,10 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
     if cupy.cuda.runtime.getDevice() != device:
         return None  # another device is current: the long way enters q's
     out_shape, dtype, lse_shape, lse_dt, launch = entry
-    out = ndarray(out_shape, dtype)
+    if out is None:
+        out = ndarray(out_shape, dtype)
+    elif any(x is not None and may_overlap(out, x) for x in (q, k, v, mask, bias)):
+        return None  # the long way names the overlap
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
             *pointers], cupy.cuda.get_current_stream().ptr)

@@ -102,9 +102,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     """
     ragged_args = (q_offsets, k_offsets, max_q_len, max_k_len, k_lengths)
     plain = all(x is None for x in ragged_args) and block_table is None
-    if out is None and plain:
+    if plain:
         result = _gpu.repeated_call(q, k, v, mask, bias, window, scale, causal, softcap,
-                                    return_lse, precision)
+                                    return_lse, precision, out)
         if result is not None:
             return result
     if _any_dask(q, k, v, mask, bias):

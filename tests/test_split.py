@@ -325,3 +325,42 @@ def test_key_lengths_fold_query_groups_on_host_memory(lengths, monkeypatch):
     ref, ref_lse = attention_reference(*host, mask=full)
     assert_accurate(np.asarray(out), ref, naive_attention(*host, mask=full))
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_calls_with_out_replay_on_host_memory(monkeypatch):
+    """A repeated call given ``out`` (the same layout, new memory) replays its signature's
+    plan without validating again and writes into that out; an out that overlaps an input
+    takes the long way, which refuses it."""
+    from _hostdev import Memory, fake_gpu
+    from test_merge import _emulate_merge_parts
+
+    import cuattn
+    import cuattn._checks
+    import cuattn._gpu
+
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16,
+                      {"merge": _emulate_merge_parts(Memory(arrays), np.float16)})
+    checks = []
+    real_check = cuattn._checks.check_attention
+    monkeypatch.setattr(cuattn._gpu, "check_attention",
+                        lambda *a, **k: checks.append(1) or real_check(*a, **k))
+    rng = np.random.default_rng(9)
+    host = [rng.standard_normal((1, 2, n, 8)).astype(np.float16) for n in (5, 40, 40)]
+    dev = [x.copy().view(device) for x in host]
+    arrays.extend(dev)
+    ref, _ = attention_reference(*host, causal=True)
+    for _ in range(2):
+        wide = np.full((1, 2, 5, 16), np.nan, np.float16).view(device)
+        arrays.append(wide)
+        got = cuattn.attention(*dev, causal=True, out=wide[..., ::2])
+        assert np.shares_memory(got, wide) and np.isnan(np.asarray(wide[..., 1::2])).all()
+        assert_accurate(np.asarray(got), ref, naive_attention(*host, causal=True))
+    assert len(checks) == 1
+    fresh = np.empty((1, 2, 5, 8), np.float16).view(device)   # q's layout, own memory
+    arrays.append(fresh)
+    cuattn.attention(*dev, causal=True, out=fresh)
+    assert len(checks) == 2
+    with pytest.raises(ValueError, match="overlaps q"):           # that signature, on q
+        cuattn.attention(*dev, causal=True, out=dev[0])
+    np.testing.assert_array_equal(np.asarray(dev[0]), host[0])    # nothing ran
