@@ -110,18 +110,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dkdv(const 
             load_tile<BLOCK_M, D_TILE, PAD>(do_s, dout + m0 * bp.dout_s.row + d0 * bp.dout_s.col,
                                             bp.dout_s.row, bp.dout_s.col, rows_q, p.head_dim_v - d0);
             __syncthreads();  // the chunks are in shared memory
-            if constexpr (RESIDENT) {
-                scores<TN, TQ, D_TILE, PAD>(s, k_s, q_s, tx, ty);
-                scores<TN, TQ, D_TILE, PAD>(dp, v_s, do_s, tx, ty);
-            } else {  // chunk by chunk, as the forward sums its scores
-                A part[TN][TQ];
-                clear_tile(part);
-                scores<TN, TQ, D_TILE, PAD>(part, k_s, q_s, tx, ty);
-                add_tile(s, part);
-                clear_tile(part);
-                scores<TN, TQ, D_TILE, PAD>(part, v_s, do_s, tx, ty);
-                add_tile(dp, part);
-            }
+            // chunk by chunk, as the forward sums its scores
+            chunk_scores<TN, TQ, D_TILE, PAD, !RESIDENT>(s, k_s, q_s, tx, ty);
+            chunk_scores<TN, TQ, D_TILE, PAD, !RESIDENT>(dp, v_s, do_s, tx, ty);
             if constexpr (!RESIDENT) __syncthreads();  // before the next chunk overwrites them
         }
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);
@@ -244,18 +235,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_bwd_dq(const At
             load_tile<BLOCK_N, D_TILE, PAD, TF32>(v_s, v + n0 * p.v_s.row + d0 * p.v_s.col,
                                                   p.v_s.row, p.v_s.col, rows_k, p.head_dim_v - d0);
             __syncthreads();  // the chunks are in shared memory
-            if constexpr (RESIDENT) {
-                scores<TM, TN, D_TILE, PAD>(s, q_s, k_s, tx, ty);
-                scores<TM, TN, D_TILE, PAD>(dp, do_s, v_s, tx, ty);
-            } else {  // chunk by chunk, as the forward sums its scores
-                A part[TM][TN];
-                clear_tile(part);
-                scores<TM, TN, D_TILE, PAD>(part, q_s, k_s, tx, ty);
-                add_tile(s, part);
-                clear_tile(part);
-                scores<TM, TN, D_TILE, PAD>(part, do_s, v_s, tx, ty);
-                add_tile(dp, part);
-            }
+            // chunk by chunk, as the forward sums its scores
+            chunk_scores<TM, TN, D_TILE, PAD, !RESIDENT>(s, q_s, k_s, tx, ty);
+            chunk_scores<TM, TN, D_TILE, PAD, !RESIDENT>(dp, do_s, v_s, tx, ty);
             if constexpr (!RESIDENT) __syncthreads();  // before the next chunk overwrites them
         }
         const bool interior = !HAS_MASK && tile_is_interior(p, m0, BLOCK_M, n0, BLOCK_N);

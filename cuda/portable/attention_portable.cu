@@ -311,16 +311,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attention_fwd_portable(co
             load_tile<BLOCK_N, D_TILE, PAD>(kv_s, k + n0 * p.k_s.row + d0 * p.k_s.col, p.k_s.row,
                                             p.k_s.col, p.seqlen_k - n0, p.head_dim - d0);
             __syncthreads();  // the Q and K chunks are in shared memory
-            if constexpr (CHUNKED) {  // this chunk's sums apart, then into the scores
-                if (!rows_out) {
-                    A part[TM][TN];
-                    clear_tile(part);
-                    scores<TM, TN, D_TILE, PAD>(part, q_s, kv_s, tx, ty);
-                    add_tile(s, part);
-                }
-            } else if (!rows_out) {
-                scores<TM, TN, D_TILE, PAD>(s, q_s, kv_s, tx, ty);
-            }
+            if (!rows_out) chunk_scores<TM, TN, D_TILE, PAD, CHUNKED>(s, q_s, kv_s, tx, ty);
             __syncthreads();  // every thread is done with this chunk before it is overwritten
         }
         // interior tile: inside both sequences and inside the band for every row of the block
