@@ -164,7 +164,8 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
     choice = _choose_backward(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                               call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
                               aligned, cc, smem_limit, forced, tiles, call.precision,
-                              _tf32_forward(call, cc, smem_limit, forced))
+                              _tf32_forward(call, cc, smem_limit,
+                                            os.environ.get("CUATTN_KERNEL") or None))
     if choice is not None:
         return choice
     raise _no_family("backward kernel family", call, cc, forced)
@@ -185,10 +186,11 @@ TF32_FAMILIES = frozenset(f.name for f in FAMILIES if f.precisions == ("tf32",))
 
 def _tf32_forward(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                   forced: str | None) -> bool:
-    """Did a TF32 family serve this call's forward? Dispatch's pick for it, or the family
-    that the backward is forced to (``kernel=`` or CUATTN_KERNEL), taken to have served the
-    forward as well. The backward's lse comes from those scores, and P = exp(s - lse)
-    holds only for scores recomputed from the same operands."""
+    """Did a TF32 family serve this call's forward? Dispatch's pick for it, with
+    ``forced`` (CUATTN_KERNEL, which forces the forward as well) as the forward saw it; a
+    backward forced by ``kernel=`` (tests, tools) still takes the forward to be dispatch's.
+    The backward's lse comes from those scores, and P = exp(s - lse) holds only for scores
+    recomputed from the same operands."""
     if call.precision != "tf32":
         return False
     bias_dtype = None if call.bias is None else call.bias.dtype

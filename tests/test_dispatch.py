@@ -312,6 +312,26 @@ def test_portable_backward_rounds_as_a_tf32_forward():
     assert not plain.dkdv.endswith(", true>") and "TF32" not in plain.dkdv
 
 
+def test_forced_backward_takes_the_forward_of_dispatch(monkeypatch):
+    """A backward forced by kernel= (the tests' default forward, then one family's
+    backward) rounds as dispatch's TF32 forward did; CUATTN_KERNEL forces both, so the
+    portable forward's float32 scores are recomputed unrounded."""
+    from _hostdev import on_device
+
+    from cuattn._checks import check_attention
+    rng = np.random.default_rng(0)
+    q, k, v = (on_device(rng.standard_normal((1, 2, 64, 200)).astype(np.float32))
+               for _ in range(3))
+    call = check_attention(q, k, v, precision="tf32")
+    grads = (F32, F32)
+    monkeypatch.delenv("CUATTN_KERNEL", raising=False)
+    forced = d.backward_kernels(call, *H200, grads, q, kernel="portable")
+    assert forced.family == "portable" and forced.dkdv.endswith(", true>")
+    monkeypatch.setenv("CUATTN_KERNEL", "portable")
+    both = d.backward_kernels(call, *H200, grads, q)
+    assert both.family == "portable" and not both.dkdv.endswith(", true>")
+
+
 def test_sm90_3xf16_backward_instances_and_shared_memory():
     """The split on float16 wgmma serves float32 "highest" to head dim 128 on sm_90, after a
     magnitudes kernel; at 128 the two warpgroups of a 64-key block compute dV and dK."""
