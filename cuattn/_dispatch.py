@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,8 +53,9 @@ class Family:
 
 #: Forward families, most preferred first.
 FAMILIES = (
-    Family("sm90", sm90.forward, (9, 0), HALF, 128,
-           "Hopper wgmma (sm_90a), 16-bit inputs; head dims to 128 (registers)", archs=HOPPER),
+    Family("sm90", sm90.forward, (9, 0), HALF, 256,
+           "Hopper wgmma (sm_90a), 16-bit inputs; head dims to 128, to 256 where the copy "
+           "engine reads q, k and v (the piped instance)", archs=HOPPER),
     Family("mma", mma.forward, (8, 0), HALF, 256,
            "mma.sync m16n8k16 tensor cores (Ampere and newer), 16-bit inputs"),
     Family("sm90_tf32", sm90_tf32.forward, (9, 0), ("float32",), 128,
@@ -109,12 +110,21 @@ def _no_family(what: str, call, cc: tuple[int, int], forced: str | None):
 
 
 def _first_family(families, req: Request, forced: str | None, tiles):
-    """The instance of the first family (or only the forced one) that serves ``req``."""
-    for family in families:
+    """The instance of the first family (or only the forced one) that serves ``req``; a
+    family may decline a request it accepts by its table (sm90 past 128 without the copy
+    engine). A piped instance without a fallback of its own falls back to the next
+    family's."""
+    for i, family in enumerate(families):
         if forced is not None and family.name != forced:
             continue
         if family.accepts(req.cc, req.dtype, req.head, req.precision):
-            return family.build(req, tiles)
+            choice = family.build(req, tiles)
+            if choice is None:
+                continue
+            if getattr(choice, "tma", False) and choice.fallback is None:
+                choice = replace(choice, fallback=_first_family(families[i + 1:], req,
+                                                                 forced, None))
+            return choice
     return None
 
 

@@ -202,6 +202,8 @@ def forward_instances(arch: str):
             fast = fast and choice == _choose(dtype, d, dv, bias_dtype, has_mask, aligned,
                                               cc, limit, None, None, precision)
             variants = [choice]
+            if choice.fallback is not None:  # the instance taken where a map is refused
+                variants.append(choice.fallback)
             if choice.prepared is not None:  # and its preparation kernels
                 variants.append(choice.prepared)
                 for kernel in PREPARATIONS:

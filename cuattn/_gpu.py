@@ -34,7 +34,8 @@ from ._launch import (
     sm_count,
     stride_fields,
 )
-from ._params import new_block
+from ._params import block_dtype, new_block
+from ._tma import TensorMaps, map_shape
 from .merge import stacked_plan
 
 __all__ = ["forward", "forward_parts", "backward", "repeated_call"]
@@ -119,15 +120,44 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
     into the kernel's three (one launch), else each launch's offsets from the slots' base
     pointers (:class:`~cuattn._launch.LaunchLoop`). ``prepared``: as for
     :func:`_forward_tensors`."""
-    fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
     tensors = _forward_tensors(call, out, lse, prepared)
     extents, strides, pointer_sets = layout(call.batch_shape, tensors)
+    maps = None
+    if choice.tma:  # the piped kernel, where the driver encodes the maps of q, k and v
+        maps = _tensor_maps(call, choice, extents, strides)
+        if maps is None or not maps.check([x.data.ptr for x, _ in tensors[:3]]):
+            if choice.fallback is None:
+                raise NotImplementedError(
+                    f"the driver refused the tensor maps of {choice.name_expression} and no "
+                    f"other instance serves the call (a forced family?)")
+            return _forward_plan(call, choice.fallback, out, lse, prepared)
+    fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
     num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
     grid = num_m * num_dv * math.prod(extents)
-    launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem,
-                             _attn_fields(call, extents, num_m, num_dv, strides))
+    fields = _attn_fields(call, extents, num_m, num_dv, strides)
+    if maps is None:
+        launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
+    else:
+        launch = Launch(fn, (grid, 1), choice.threads, choice.shared_mem,
+                        new_block("FwdTmaParams", p=fields),
+                        pointers=tuple(f"p.{slot}" for slot in FORWARD_SLOTS),
+                        per_call="p.magnitudes", maps=maps)
     return launch, offset_sets(tensors, pointer_sets)
+
+
+def _tensor_maps(call: AttentionCall, choice, extents, strides):
+    """The TensorMaps of q, k and v for the piped kernel (FwdTmaParams), or None where the
+    copy engine cannot read one of them (cuattn/_tma.py)."""
+    rows = (64, choice.tiles.block_n, choice.tiles.block_n)
+    sizes = ((call.head_dim, call.seqlen_q), (call.head_dim, call.seqlen_k),
+             (call.head_dim_v, call.seqlen_k))
+    shapes = [map_shape(cols, n, extents, strides[5 * i:5 * i + 5], call.dtype.itemsize, r)
+              for i, ((cols, n), r) in enumerate(zip(sizes, rows))]
+    if None in shapes:
+        return None
+    dtype = block_dtype("FwdTmaParams")
+    return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"])
 
 
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):

@@ -22,16 +22,19 @@ class Launch:
     """One kernel launch: grid (x, y), block size, dynamic shared memory and the kernel's
     parameter block (a 0-d structured array of :func:`~cuattn._params.block_dtype`), kept
     here. ``pointers`` names the consecutive 8-byte fields a call writes (its first
-    argument, in that order); ``per_call`` names one more field a call may write (the
-    sm90_3xf16 kernels' ``magnitudes``). Launched through ``cuLaunchKernel``: about 5 us
-    less than CuPy's launch, which converts and packs every argument each call. The kernel
+    argument, in that order; "p.q" names a field of a nested struct); ``per_call`` names
+    one more field a call may write (the sm90_3xf16 kernels' ``magnitudes``); ``maps``
+    (:class:`~cuattn._tma.TensorMaps`) writes the tensor maps of the first three pointers.
+    Launched through ``cuLaunchKernel``: about 5 us less than CuPy's launch, which converts
+    and packs every argument each call. The kernel
     is the one loaded for the current device. Thread-safe: the pointers are written and
     launched under a lock, and the driver copies the block before the launch returns. A
     thread's first launch makes the current device's context current in it (a new thread,
     a Dask worker's say, has none until a runtime call, and ``cuLaunchKernel`` needs one)."""
 
     def __init__(self, kernel, grid: tuple[int, int], threads: int, shared_mem: int,
-                 block: np.ndarray, pointers: tuple[str, ...] = (), per_call: str | None = None):
+                 block: np.ndarray, pointers: tuple[str, ...] = (), per_call: str | None = None,
+                 maps=None):
         from cupy_backends.cuda.api import driver
         self._launch = driver.launchKernel
         self._function = kernel.kernel.ptr
@@ -40,7 +43,8 @@ class Launch:
         self._bytes = memoryview(self._block).cast("B")
         self._bytes[:len(raw)] = raw
         self._pointers, self._pointer_offset = _run_of_fields(block.dtype, pointers)
-        self._per_call = None if per_call is None else block.dtype.fields[per_call][1]
+        self._per_call = None if per_call is None else _field(block.dtype, per_call)[1]
+        self._maps = maps
         self._argv = np.array([self._block.ctypes.data], np.int64)  # void* kernelParams[1]
         self._argv_ptr = self._argv.ctypes.data
         self._dims = (*grid, threads, shared_mem)
@@ -52,6 +56,8 @@ class Launch:
             _make_context_current()
         with self._lock:
             self._pointers.pack_into(self._bytes, self._pointer_offset, *pointers)
+            if self._maps is not None:
+                self._maps.write(self._bytes, pointers[:3])
             if per_call is not None:
                 _INT64.pack_into(self._bytes, self._per_call, per_call)
             self._launch(self._function, grid_x, grid_y, 1, threads, 1, 1, shared_mem,
@@ -93,14 +99,24 @@ def _make_context_current() -> None:
     _thread.has_context = True
 
 
+def _field(dtype: np.dtype, name: str) -> tuple[np.dtype, int]:
+    """The dtype and byte offset of field ``name`` of ``dtype``; a dotted name ("p.q")
+    names a field of a nested struct."""
+    offset = 0
+    for part in name.split("."):
+        dtype, at = dtype.fields[part][:2]
+        offset += at
+    return dtype, offset
+
+
 def _run_of_fields(dtype: np.dtype, names: tuple[str, ...]) -> tuple[struct.Struct, int]:
     """A struct packing the 8-byte fields ``names`` of ``dtype``, which must lie one after
     another, and their first offset."""
     if not names:
         return struct.Struct("<"), 0
-    start = dtype.fields[names[0]][1]
+    start = _field(dtype, names[0])[1]
     for i, name in enumerate(names):
-        field, offset = dtype.fields[name][:2]
+        field, offset = _field(dtype, name)
         if field.itemsize != 8 or offset != start + 8 * i:
             raise ValueError(f"pointer fields {names} are not consecutive 8-byte fields")
     return struct.Struct(f"<{len(names)}q"), start

@@ -71,7 +71,10 @@ class Memory:
 
 
 def fields(block) -> dict:
-    """A parameter block's fields by name (nested structs as structured scalars)."""
+    """A parameter block's fields by name (nested structs as structured scalars); the
+    piped forward's (FwdTmaParams) are those of its AttnParams."""
+    if "p" in block.dtype.names:
+        block = block["p"]
     return {name: block[name][()] for name in block.dtype.names}
 
 
@@ -155,9 +158,12 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     import cuattn._gpu
     import cuattn._kernels
     import cuattn._launch
+    import cuattn._tma
     from cuattn import merge
 
     class Device(HostDevice):
+        maps, map_result = [], 0  # the tensor maps encoded; what the driver answers
+
         def __new__(cls, shape, dtype):
             x = np.ndarray.__new__(cls, shape, dtype)
             arrays.append(x)
@@ -166,12 +172,27 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     forward = emulate_forward(Memory(arrays), dtype)
     emulations = emulations or {}
 
+    def encode(tensor_map, data_type, rank, address, dims, strides, box, element_strides,
+               interleave, swizzle, l2_promotion, oob_fill):
+        """cuTensorMapEncodeTiled: records the map (Device.maps) and answers
+        Device.map_result (0: encoded)."""
+        def read(at, ctype, n):
+            return tuple(int(x) for x in (ctype * n).from_address(at))
+        Device.maps.append((address, read(dims, ctypes.c_uint64, rank),
+                            read(strides, ctypes.c_uint64, rank - 1),
+                            read(box, ctypes.c_uint32, rank)))
+        return Device.map_result
+
     class Launch:
-        def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None):
-            self.fn, self.grid, self.block = fn, grid, block
+        def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None,
+                     maps=None):
+            self.fn, self.grid, self.block, self.maps = fn, grid, block, maps
+            self.bytes = memoryview(bytearray(block.nbytes))
 
         def __call__(self, pointers, stream, *per_call):
             launches.append((self.fn, tuple(pointers), stream))
+            if self.maps is not None:
+                self.maps.write(self.bytes, pointers[:3])
             run = next((e for name, e in emulations.items() if self.fn.startswith(name)),
                        forward)
             run(self.block, pointers, self.grid)
@@ -217,6 +238,7 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
     monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
     monkeypatch.setattr(cuattn._launch, "Launch", Launch)
+    monkeypatch.setattr(cuattn._tma, "_encode_function", lambda: encode)
     monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
     monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
     for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),

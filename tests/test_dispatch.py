@@ -40,7 +40,10 @@ def backward(dtype, head, *, gpu=H200, grads=None, forced=None, tiles=None, prec
 def test_forward_families_by_dtype_precision_and_head_dim():
     assert forward(F16, 64).family == "sm90"               # Hopper: wgmma
     assert forward(BF16, 128).family == "sm90"
-    assert forward(BF16, 256).family == "mma"              # beyond the sm90 head dims
+    wide = forward(BF16, 256)                               # the piped sm90 instance ...
+    assert wide.family == "sm90" and wide.tma and wide.fallback.family == "mma"
+    assert d._choose(BF16, 256, 256, None, False, False, (9, 0), 232448, None, None,
+                     None).family == "mma"                  # ... else beyond the per-block
     assert forward(F16, 64, gpu=A100).family == "mma"      # sm_90a code runs on sm_90 only
     assert forward(F16, 64, gpu=((10, 0), 232448)).family == "mma"
     assert forward(BF16, 512).family == "portable"        # beyond the mma head dims
@@ -125,10 +128,35 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
         _gate.forward_instances("sm_90")
 
 
+def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
+    """Aligned 16-bit inputs take the piped kernel (tensor maps, a producer warpgroup and
+    two consumer warpgroups of 64 rows): Q of both, `stages` slots of a K and a V tile, and
+    the barriers (Q's, and each slot's full and empty); its fallback is the per-block
+    instance, and unaligned inputs take that one."""
+    d128 = forward(BF16, 100)
+    assert d128.tma and d128.family == "sm90" and d128.threads == 384
+    assert d128.name_expression == (
+        "attention_fwd_sm90_piped<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 128, 2>")
+    assert d128.tiles.block_m == 128 and d128.tiles.block_n == 128
+    assert d128.shared_mem == 2 * (128 * 128 + 2 * 128 * 256) + 8 + 16 * 2
+    assert d128.fallback.name_expression.startswith("attention_fwd_sm90<")
+    d64 = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32))
+    assert d64.name_expression == (
+        "attention_fwd_sm90_piped<__half, float, true, 64, 64, 128, 4>")
+    assert d64.shared_mem == 2 * (128 * 64 + 4 * 128 * 128) + 8 + 16 * 4
+    assert not sm90.forward(hopper(F16, 64, aligned=False)).tma
+    assert sm90.forward(hopper(F16, 64), sm90.Sm90PipedTiles(64, 3)).name_expression.endswith(
+        "64, 64, 64, 3>")
+    with pytest.raises(NotImplementedError, match="tensor maps"):
+        sm90.forward(hopper(F16, 64, aligned=False), sm90.Sm90PipedTiles(64, 3))
+    # a piped instance that does not fit leaves the per-block one
+    assert not sm90.forward(hopper(F16, 128, limit=150000)).tma
+
+
 def test_sm90_instances_and_shared_memory():
     # one warpgroup (128 threads) per 64 query rows; head dims padded to 64; every tile in
     # the 128-byte-swizzle layout: Q rows, `stages` stages of K and V (two by default)
-    choice = forward(BF16, 100)
+    choice = forward(BF16, 100).fallback
     assert choice.name_expression == (
         "attention_fwd_sm90<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 64, 1, 2, true, 1>")
     assert choice.threads == 128 and choice.tiles.block_m == 64
@@ -536,3 +564,51 @@ def test_a_layout_is_evaluated_as_its_cpp_text_reads():
     assert "b = a + (long long)sizeof(T) * (TWO ? (N * 2) : N)," in layout.cpp()
     with pytest.raises(TypeError):
         layout.bytes(T=2, N=1)
+
+
+def test_piped_plan_encodes_tensor_maps_on_host_memory(monkeypatch):
+    """The piped kernel's plan, through a CuPy stand-in on host memory: q, k and v become
+    rank-5 tensor maps (head dim, sequence, batch axes 2, 1, 0; a broadcast axis has extent
+    1) in the parameter block, encoded again only for new addresses; where the driver
+    refuses a map, the plan takes the per-block instance. Both equal the reference."""
+    from _accuracy import assert_accurate
+    from _hostdev import fake_gpu
+
+    import cuattn
+    from cuattn.reference import attention_reference, naive_attention
+
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16)
+    rng = np.random.default_rng(5)
+
+    def inputs(sk=77):
+        host = [rng.standard_normal(shape).astype(np.float16)
+                for shape in ((2, 3, 100, 64), (2, 1, sk, 64), (2, 1, sk, 64))]
+        dev = [x.copy().view(device) for x in host]
+        arrays.extend(dev)
+        return host, dev
+
+    def run(host, dev):
+        launches.clear()
+        out = cuattn.attention(*dev)
+        assert_accurate(out, attention_reference(*host)[0], naive_attention(*host))
+        return [fn for fn, *_ in launches]
+
+    host, dev = inputs()
+    assert run(host, dev) == [
+        "attention_fwd_sm90_piped<__half, cuattn::NoBias, false, 64, 64, 128, 4>"]
+    q, k, v = dev
+    # batch axes (2, 3): k broadcasts along the second, so the kernel keeps both
+    assert device.maps == [
+        (q.data.ptr, (64, 100, 3, 2, 1), (128, 100 * 128, 3 * 100 * 128, 16), (64, 64, 1, 1, 1)),
+        (k.data.ptr, (64, 77, 1, 2, 1), (128, 16, 77 * 128, 16), (64, 128, 1, 1, 1)),
+        (v.data.ptr, (64, 77, 1, 2, 1), (128, 16, 77 * 128, 16), (64, 128, 1, 1, 1))]
+    run(host, dev)  # the same addresses: the block still holds their maps
+    assert len(device.maps) == 3
+    host, dev = inputs()
+    run(host, dev)
+    assert [m[0] for m in device.maps[3:]] == [x.data.ptr for x in dev]
+    device.map_result = 1  # CUDA_ERROR_INVALID_VALUE: a new signature takes the fallback
+    host, dev = inputs(sk=90)
+    assert run(host, dev) == [
+        "attention_fwd_sm90<__half, cuattn::NoBias, false, 64, 64, 64, 1, 2, true, 4>"]

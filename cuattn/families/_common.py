@@ -110,6 +110,10 @@ class KernelChoice:
     #: a kernel run first that writes the largest magnitudes of each batch entry's q, k and
     #: v into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
     magnitudes: str | None = None
+    #: the kernel reads q, k and v through tensor maps (FwdTmaParams; cuattn/_tma.py), and
+    #: the instance that serves the call where the driver refuses a map
+    tma: bool = False
+    fallback: KernelChoice | None = None
 
 
 @dataclass(frozen=True)

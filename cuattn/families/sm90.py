@@ -25,6 +25,8 @@ BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
                                    "ALIGNED MIN_BLOCKS")
+FWD_PIPED = Kernel("attention_fwd_sm90_piped",
+                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES")
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
                                          "MIN_BLOCKS OVERLAP STATS_AHEAD",
               defaults={"STATS_AHEAD": False})
@@ -51,6 +53,30 @@ class Sm90Tiles:
         return self.block_m // 16
 
 
+@dataclass(frozen=True)
+class Sm90PipedTiles:
+    """Tiles of attention_fwd_sm90_piped: 128 query rows (two consumer warpgroups of 64,
+    taking turns to issue their products) and one producer warpgroup, ``block_n`` keys per
+    tile, ``stages`` K/V slots. Needs q, k and v as the copy engine reads them (unit
+    column strides, 16-byte aligned starts and strides: Request.aligned)."""
+    block_n: int
+    stages: int
+    block_m: int = 128
+
+    @property
+    def num_warps(self) -> int:
+        return 12
+
+
+#: the piped instance's tiles, by largest head dim (taken first where q, k, v are aligned)
+SM90_PIPED_TILES = (
+    (64, Sm90PipedTiles(128, 4), "D64: four K/V slots fit in 144 KB"),
+    (128, Sm90PipedTiles(128, 2), "D128: two K/V slots of 64 KB, with Q 160 KB"),
+    (256, Sm90PipedTiles(64, 2), "D256: 64-key tiles (128 spill), with Q 192 KB"),
+)
+#: the largest head dim of the per-block instance (its 64-row warpgroup's registers)
+PER_BLOCK_HEAD = 128
+
 #: (largest head dim, candidate tiles in order of preference, reason).
 SM90_TILES = (
     (64, (Sm90Tiles(64, 64, 4), Sm90Tiles(64, 64), Sm90Tiles(64, 128), Sm90Tiles(128, 128)),
@@ -74,6 +100,17 @@ FWD_SMEM = Layout("FwdSm90Smem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int 
     ("side_s", "unsigned char", SIDE),
 ))
 
+#: attention_fwd_sm90_piped: Q of the NUM_WG consumer warpgroups, STAGES slots of a K and a
+#: V tile, Q's barrier and each slot's two (full, then empty)
+PIPED_SMEM = Layout("FwdSm90TmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, "
+                    "int BLOCK_N, int STAGES", (
+    ("q_s", "T", "NUM_WG * 64 * HEAD_DIM"),
+    ("slots", "T", "STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)"),
+    ("q_full", "unsigned char", "8"),
+    ("full", "unsigned char", "8 * STAGES"),
+    ("empty", "unsigned char", "8 * STAGES"),
+))
+
 
 def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: bool = False,
                     bias_itemsize: int = 0) -> int:
@@ -83,8 +120,48 @@ def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: 
                           BIAS_SIZE=bias_itemsize)
 
 
-def forward(req: Request, tiles: Sm90Tiles | None = None) -> KernelChoice:
+def sm90_piped_smem_bytes(tiles: Sm90PipedTiles, head_dim: int, head_dim_v: int) -> int:
+    """Dynamic shared memory of attention_fwd_sm90_piped (PIPED_SMEM)."""
+    return PIPED_SMEM.bytes(T=2, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                            NUM_WG=tiles.block_m // 64, BLOCK_N=tiles.block_n,
+                            STAGES=tiles.stages)
+
+
+def forward(req: Request,
+            tiles: Sm90Tiles | Sm90PipedTiles | None = None) -> KernelChoice | None:
+    """The piped instance where the copy engine reads q, k and v (with the per-block one
+    as its fallback), else the per-block instance; None for head dims past 128 that the
+    piped instance cannot take (another family serves them)."""
     hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
+    wide = req.head > PER_BLOCK_HEAD  # beyond the per-block instance
+    if isinstance(tiles, Sm90PipedTiles) and not req.aligned:
+        raise NotImplementedError(f"the sm90 piped instance reads q, k and v through tensor "
+                                  f"maps: unit column strides, 16-byte aligned starts, "
+                                  f"strides and head dims ({req.what()})")
+    if isinstance(tiles, Sm90Tiles) and wide:
+        raise NotImplementedError(f"the sm90 per-block instance holds head dims to "
+                                  f"{PER_BLOCK_HEAD} ({req.what()})")
+    per_block = None if wide or isinstance(tiles, Sm90PipedTiles) else \
+        _per_block(req, tiles, hd, hdv)
+    if not req.aligned or isinstance(tiles, Sm90Tiles):
+        return per_block
+    piped = tiles or next(t for max_d, t, _ in SM90_PIPED_TILES if req.head <= max_d)
+    smem = sm90_piped_smem_bytes(piped, hd, hdv)
+    if smem > req.smem_limit:
+        if tiles is not None:
+            raise NotImplementedError(f"the sm90 piped tiles {piped} need {smem} bytes of "
+                                      f"shared memory, more than {req.smem_limit}")
+        return per_block
+    expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
+                     HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages)
+    # past 128, dispatch gives the fallback: the next family's instance
+    return KernelChoice("sm90", FORWARD_FILE, expr,
+                        BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,
+                        threads=piped.num_warps * 32, tma=True, fallback=per_block)
+
+
+def _per_block(req: Request, tiles: Sm90Tiles | None, hd: int, hdv: int) -> KernelChoice:
+    """The instance whose blocks copy their own tiles (attention_fwd_sm90)."""
     bias_size = itemsize(req.bias_dtype)
     tiles, smem = first_fit(candidates(SM90_TILES, req, tiles),
                             lambda t: sm90_smem_bytes(t, hd, hdv, req.has_mask, bias_size),

@@ -145,6 +145,19 @@ struct FwdSm90Smem {
 };
 
 // cuattn/families/sm90.py
+template <typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, int BLOCK_N, int STAGES>
+struct FwdSm90TmaSmem {
+    enum : long long {
+        q_s = 0,
+        slots = q_s + (long long)sizeof(T) * ((NUM_WG * 64) * HEAD_DIM),
+        q_full = slots + (long long)sizeof(T) * ((STAGES * BLOCK_N) * (HEAD_DIM + HEAD_DIM_V)),
+        full = q_full + (long long)1 * 8,
+        empty = full + (long long)1 * (8 * STAGES),
+        BYTES = empty + (long long)1 * (8 * STAGES),
+    };
+};
+
+// cuattn/families/sm90.py
 template <typename T, int HEAD_DIM, int HEAD_DIM_V, int ROWS, int COLS, int STAGES, bool HAS_MASK, int BIAS_SIZE>
 struct BwdSm90DkdvSmem {
     enum : long long {

@@ -27,7 +27,7 @@
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
 //             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS.
 #include "common/mma_softmax.cuh"
-#include "sm90/sm90_tiles.cuh"
+#include "sm90/pipeline.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
@@ -158,4 +158,150 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
     cp_async_wait<0>();  // no copy may outlive the block
 
     store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store (mma_softmax.cuh)
+}
+
+// ---------------------------------------------------------------------------------------
+// The piped instance: the same function with the tiles brought by the copy engine
+// (pipeline.cuh). Block: NUM_WG = 2 consumer warpgroups (64 query rows each: the products
+// and the softmax, BLOCK_M = 128) and one producer warpgroup, whose first lane copies Q once
+// and each key tile's K and V into STAGES slots by bulk tensor copies (TMA, 128-byte
+// swizzle: the layout above), with zeros past the sequences and head dims. Per key tile t a
+// consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together, releases slot
+// t - 1 once the first is done, then runs the softmax of tile t while the other warpgroup
+// issues (pingpong_tiles: FlashAttention-3's schedule). The mask and bias are read from
+// global memory by the softmax. Python takes this instance where the tensor maps exist:
+// q, k and v with unit column strides and 16-byte aligned starts and strides (_tma.py).
+
+// The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
+// (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
+// extent 1; boxes of 64 columns x 64 rows for q, x BLOCK_N rows for k and v).
+// cuattn/_params.py reads it from here.
+struct FwdTmaParams {
+    AttnParams p;
+    TensorMap q_map, k_map, v_map;
+};
+
+namespace {
+// The coordinates of batch entry b along the three batch axes, for a tensor whose strides s
+// say which axes it walks (zero: broadcast, the map's extent 1 there).
+struct BatchCoords {
+    int c2, c1, c0;
+    __device__ __forceinline__ BatchCoords(const Strides& s, long long b, long long batch1,
+                                           long long batch2) {
+        const long long b01 = b / batch2;
+        c2 = s.b2 ? (int)(b % batch2) : 0;
+        c1 = s.b1 ? (int)(b01 % batch1) : 0;
+        c0 = s.b0 ? (int)(b01 / batch1) : 0;
+    }
+};
+}  // namespace
+
+template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
+          int STAGES>
+__global__ void __launch_bounds__(3 * 128, 1)
+    attention_fwd_sm90_piped(const __grid_constant__ FwdTmaParams w) {
+    constexpr int NUM_WG = 2, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256 && HEAD_DIM_V % 64 == 0 &&
+                      HEAD_DIM_V <= 256 && (BLOCK_N == 64 || BLOCK_N == 128),
+                  "wgmma shapes of wgmma.cuh (P V in 128-column products)");
+    // registers per thread: the producer keeps 24, the consumers take the rest of the
+    // block's allocation at launch (384 threads x 168)
+    constexpr int CONSUMER_REGS = 240;
+    static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * 24 <= 65536, "register budgets");
+    constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM;
+    constexpr unsigned Q_BYTES = NUM_WG * Q_ELEMS * sizeof(T), K_BYTES = K_ELEMS * sizeof(T),
+                       SLOT_BYTES = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * sizeof(T);
+    const AttnParams& p = w.p;
+
+    using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES>;
+    static_assert(L::q_full - L::slots == (long long)STAGES * SLOT_BYTES, "a slot's bytes");
+    static_assert(L::full - L::q_full == 8 && L::empty - L::full == 8 * STAGES, "barriers");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned q_s = smem_addr(smem_raw + L::q_s),  // [NUM_WG][64 x HEAD_DIM]
+                   slots = smem_addr(smem_raw + L::slots),  // [STAGES][K, V tiles]
+                   q_full = smem_addr(smem_raw + L::q_full),
+                   full = smem_addr(smem_raw + L::full),  // [STAGES] barriers each
+                   empty = smem_addr(smem_raw + L::empty);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    const ForwardBlock<T, BiasT> blk = forward_block<T, BiasT>(p, BLOCK_M);
+    const long long b = blk.b, m0 = blk.m0;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+    const int off = seqlen_k - seqlen_q;
+    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
+    const Range keys = key_band(p, m0, m_last, BLOCK_N);
+    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4);
+        fence_mbar_init();
+    }
+    __syncthreads();  // the barriers ready for everyone: the copies start now
+
+    if (wg == NUM_WG) {  // the producer warpgroup: its registers go to the consumers
+        setmaxnreg_dec<24>();
+        if (warp == NUM_WG * 4 && lane == 0) {
+            const BatchCoords qb(p.q_s, b, p.batch1, p.batch2), kb(p.k_s, b, p.batch1, p.batch2),
+                vb(p.v_s, b, p.batch1, p.batch2);
+            mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+            for (int r = 0; r < NUM_WG; ++r)
+#pragma unroll
+                for (int g = 0; g < HEAD_DIM / 64; ++g)
+                    tma_load(q_s + (r * Q_ELEMS + g * 64 * 64) * sizeof(T), &w.q_map, 64 * g,
+                             (int)m0 + 64 * r, qb.c2, qb.c1, qb.c0, q_full);
+            produce_tiles<STAGES>(tiles, full, empty, [&](int t, int s, unsigned bar) {
+                mbar_expect_tx(bar, SLOT_BYTES);
+                const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
+                const int n0 = n_lo + t * BLOCK_N;
+#pragma unroll
+                for (int g = 0; g < HEAD_DIM / 64; ++g)
+                    tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, n0, kb.c2, kb.c1,
+                             kb.c0, bar);
+#pragma unroll
+                for (int g = 0; g < HEAD_DIM_V / 64; ++g)
+                    tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, n0, vb.c2, vb.c1,
+                             vb.c0, bar);
+            });
+        }
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+
+    float acc[DV_TILES][4], m[2], l[2];
+    clear_row_state(acc, m, l);
+    const SoftmaxExp2<float> exp2_fn(lane);
+    const unsigned q_base = q_s + wg * Q_ELEMS * sizeof(T);
+    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
+    const Turns turns(wg, NUM_WG, tiles);                  // ping-pong (pipeline.cuh)
+    mbar_wait(q_full, 0);
+
+    unsigned p_frag[BLOCK_N / 16][4];  // P of the previous tile (the A operand of its P V)
+    float sc[BLOCK_N / 8][4];
+    auto issue_s = [&](int t) {
+        wgmma_fence();
+        product_ss<BLOCK_N, HEAD_DIM, T>(sc, q_base, slots + (t % STAGES) * SLOT_BYTES);
+    };
+    auto issue_pv = [&](int t) {  // O += P(t) V(t)
+        product_ra_wide<HEAD_DIM_V, BLOCK_N, T>(acc, p_frag,
+                                                slots + (t % STAGES) * SLOT_BYTES + K_BYTES);
+    };
+    auto release = [&](int t) {  // every product on slot t % STAGES is done
+        if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
+    };
+    auto softmax = [&](int t) {  // of S(t), into the row state, O's rescale and P(t)
+        const int n0 = n_lo + t * BLOCK_N;
+        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
+        const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
+                                                           blk.mask, blk.bias);
+        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
+        pack_a<BLOCK_N, T>(p_frag, sc);
+    };
+    pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s, issue_pv,
+                                   release, softmax);
+
+    store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

@@ -36,7 +36,7 @@
 // Template:   BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (32,
 //             64 or 128); NUM_WG; ALIGNED; MIN_BLOCKS.
 #include "common/mma_softmax.cuh"
-#include "sm90/sm90_tiles.cuh"
+#include "sm90/pipeline.cuh"
 
 using namespace cuattn;
 using namespace cuattn::mma;
@@ -271,27 +271,6 @@ __global__ void __launch_bounds__(256) tf32_image_vt(const Tf32Prep p) {
 
 namespace {
 
-// The piped kernel's producer (one lane): key tile t's K and V^T images (tf32_image_k,
-// tf32_image_vt) into slot t % STAGES by the copy engine, once the consumers have released
-// the tile that the slot held (its `empty` barrier); the slot's `full` barrier counts the bytes.
-template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void produce_tiles(float* slots, unsigned full, unsigned empty,
-                                              int n_lo, int n_hi, const float* k,
-                                              const float* v) {
-    constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, VT_ELEMS = HEAD_DIM_V * BLOCK_N;
-    constexpr unsigned K_BYTES = K_ELEMS * 4, SLOT_BYTES = (K_ELEMS + VT_ELEMS) * 4;
-    int t = 0;
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N, ++t) {
-        const int s = t % STAGES;
-        if (t >= STAGES) mbar_wait(empty + 8 * s, (t / STAGES - 1) & 1);
-        mbar_expect_tx(full + 8 * s, SLOT_BYTES);
-        const unsigned dst = smem_addr(slots) + s * SLOT_BYTES;
-        const long long tile = n0 / BLOCK_N;
-        bulk_copy(dst, k + tile * K_ELEMS, K_BYTES, full + 8 * s);
-        bulk_copy(dst + K_BYTES, v + tile * VT_ELEMS, VT_ELEMS * 4, full + 8 * s);
-    }
-}
-
 // The consumers' Q: each warpgroup's 64 rows (from query row m0; q at that row) into
 // q_s, rounded to TF32 in place, visible to the tensor cores and to every consumer.
 template <int NUM_WG, int HEAD_DIM, bool ALIGNED>
@@ -325,46 +304,6 @@ __device__ __forceinline__ void q_fragments(unsigned (&q_frag)[K8][4], const flo
         q_frag[kk][1] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c)]);
         q_frag[kk][2] = __float_as_uint(qw[Sw128<64, 4>()(r, 8 * kk + c + 4)]);
         q_frag[kk][3] = __float_as_uint(qw[Sw128<64, 4>()(r + 8, 8 * kk + c + 4)]);
-    }
-}
-
-// A consumer warpgroup's turns over the key tiles: S(0); then P V(t - 1) with S(t); then
-// the last P V; it issues in its turn of the ring of named barriers (my_turn, then
-// next_turn granted) and runs each tile's softmax while the others issue. Every wgmma is
-// issued outside a branch (ptxas serializes the ones it finds in divergent paths).
-template <int NUM_WG, int STAGES, typename IssueS, typename IssuePv, typename Release,
-          typename Softmax>
-__device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_turn,
-                                               int next_turn, int wg, const IssueS& issue_s,
-                                               const IssuePv& issue_pv, const Release& release,
-                                               const Softmax& softmax) {
-    if (tiles > 0) {
-        mbar_wait(full, 0);
-        bar_sync(my_turn, 256);
-        issue_s(0);
-        wgmma_commit();
-        bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        softmax(0);
-        for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
-            bar_sync(my_turn, 256);
-            issue_pv(t - 1);
-            wgmma_commit();
-            issue_s(t);
-            wgmma_commit();
-            bar_arrive(next_turn, 256);
-            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
-            release(t - 1);
-            wgmma_wait<0>();
-            softmax(t);
-        }
-        bar_sync(my_turn, 256);
-        issue_pv(tiles - 1);
-        wgmma_commit();
-        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        release(tiles - 1);
     }
 }
 
@@ -424,6 +363,8 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     const Range keys = key_band(p, m0, m_last, BLOCK_N);
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
+    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+
     if (threadIdx.x == 0) {
         init_slot_barriers<STAGES>(full, empty, NUM_WG * 4);
         fence_mbar_init();
@@ -432,9 +373,18 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
 
     if (wg == NUM_WG) {  // the producer warpgroup: its registers go to the consumers
         setmaxnreg_dec<24>();
-        if (warp == NUM_WG * 4 && lane == 0)
-            produce_tiles<HEAD_DIM, HEAD_DIM_V, BLOCK_N, STAGES>(slots, full, empty, n_lo, n_hi,
-                                                                blk.k, blk.v);
+        if (warp == NUM_WG * 4 && lane == 0) {
+            // tile t's K and V^T images (tf32_image_k, tf32_image_vt), one bulk copy each
+            const float *k = blk.k, *v = blk.v;
+            const int tile0 = n_lo / BLOCK_N;
+            produce_tiles<STAGES>(tiles, full, empty, [&](int t, int s, unsigned bar) {
+                mbar_expect_tx(bar, SLOT_BYTES);
+                const unsigned dst = smem_addr(slots) + s * SLOT_BYTES;
+                const long long tile = tile0 + t;
+                bulk_copy(dst, k + tile * K_ELEMS, K_BYTES, bar);
+                bulk_copy(dst + K_BYTES, v + tile * VT_ELEMS, VT_ELEMS * 4, bar);
+            });
+        }
         return;
     }
 
@@ -447,12 +397,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
     const SoftmaxExp2<float> exp2_fn(lane);
     const unsigned q_base = smem_addr(q_s + wg * Q_ELEMS), slot_base = smem_addr(slots);
     const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
-    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
-    // ping-pong: warpgroup w issues after barrier 1 + w, then lets the next one go (turns
-    // in a ring, two warpgroups per barrier); the first warpgroup's first turn is granted
-    // here, and the last one's last turn grants none
-    const int my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NUM_WG;
-    if (wg == NUM_WG - 1 && tiles > 0) bar_arrive(1, 256);
+    const Turns turns(wg, NUM_WG, tiles);  // ping-pong (pipeline.cuh)
 
     // QREG: this warp's 16 rows of Q as TF32 A fragments, so that S reads only K from shared
     // memory
@@ -485,7 +430,7 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
         tf32_fragments<BLOCK_N>(p_frag, sc);
     };
-    pingpong_tiles<NUM_WG, STAGES>(tiles, full, my_turn, next_turn, wg, issue_s, issue_pv,
+    pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s, issue_pv,
                                    release, softmax);
 
     store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store

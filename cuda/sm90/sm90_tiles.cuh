@@ -201,6 +201,21 @@ __device__ __forceinline__ void product_ra(float (&acc)[N / 8][4], const unsigne
         Wgmma<N, T>::rs(acc, a[kk], sw128_desc(z_tile + kk * 16 * 128, Z_ROWS * 128), 1);
 }
 
+// acc (64 x N) += X Z as product_ra for N past one instruction's 128 columns (head dims
+// 192 and 256): one product per 128 columns (64 for a last 64), each on its own
+// accumulators and Z's column groups from its first.
+template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
+__device__ __forceinline__ void product_ra_wide(float (&acc)[N / 8][4],
+                                                const unsigned (&a)[ROWS / 16][4], unsigned z_tile) {
+    if constexpr (N <= 128) {
+        product_ra<N, ROWS, T, Z_ROWS>(acc, a, z_tile);
+    } else {
+        product_ra<128, ROWS, T, Z_ROWS>(*reinterpret_cast<float(*)[16][4]>(&acc[0]), a, z_tile);
+        product_ra_wide<N - 128, ROWS, T, Z_ROWS>(
+            *reinterpret_cast<float(*)[(N - 128) / 8][4]>(&acc[16]), a, z_tile + 2 * Z_ROWS * 128);
+    }
+}
+
 // acc (64 x N) += X Z as product_ra, X from float registers (rounded to T here).
 template <int N, int ROWS, typename T, int Z_ROWS = ROWS>
 __device__ __forceinline__ void product_rs(float (&acc)[N / 8][4], const float (&x)[ROWS / 8][4],
