@@ -157,7 +157,10 @@ def _tensor_maps(call: AttentionCall, choice, extents, strides):
     if None in shapes:
         return None
     dtype = block_dtype("FwdTmaParams")
-    return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"])
+    try:
+        return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"])
+    except (OSError, AttributeError):  # no driver library, or one without tensor maps
+        return None
 
 
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):

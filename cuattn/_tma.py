@@ -82,7 +82,8 @@ class TensorMaps:
     def __init__(self, shapes, offsets, encode=None):
         self._shapes, self._offsets = list(shapes), list(offsets)
         self._encode = encode or _encode_function()
-        self._last, self._unwritten = None, False
+        self._last = [None] * len(self._shapes)  # the address each map holds
+        self._unwritten = set()  # maps encoded since the block last took them
         # one 64-byte aligned map buffer and the argument arrays of each map
         self._raw = np.zeros(MAP_BYTES * (len(self._shapes) + 1), np.uint8)
         start = -self._raw.ctypes.data % 64
@@ -107,26 +108,27 @@ class TensorMaps:
 
     def write(self, block_bytes, pointers) -> None:
         """The maps of the tensors at ``pointers`` into ``block_bytes`` (a writable byte
-        view of the parameter block; None: encode only). Raises RuntimeError when the
-        driver refuses one."""
-        pointers = tuple(pointers)
+        view of the parameter block; None: encode only). Only the maps whose address
+        changed are encoded again (a decoding step's new q beside the same cache). Raises
+        RuntimeError when the driver refuses one."""
         with self._lock:
-            if pointers != self._last:
-                self._last = None
-                for i, (pointer, (dims, strides, box, ones)) in enumerate(
-                        zip(pointers, self._args)):
-                    result = self._encode(
-                        self._maps.ctypes.data + MAP_BYTES * i, _UINT16, len(dims), pointer,
-                        dims.ctypes.data, strides.ctypes.data, box.ctypes.data,
-                        ones.ctypes.data, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B,
-                        _OOB_ZEROS)
-                    if result != 0:
-                        raise RuntimeError(f"cuTensorMapEncodeTiled refused the map "
-                                           f"{self._shapes[i]} at {pointer:#x}: CUresult "
-                                           f"{result}")
-                self._last, self._unwritten = pointers, True
-            if self._unwritten and block_bytes is not None:
-                for i, offset in enumerate(self._offsets):
-                    block_bytes[offset:offset + MAP_BYTES] = self._maps[
+            for i, pointer in enumerate(pointers):
+                if pointer == self._last[i]:
+                    continue
+                self._last[i] = None
+                dims, strides, box, ones = self._args[i]
+                result = self._encode(
+                    self._maps.ctypes.data + MAP_BYTES * i, _UINT16, len(dims), pointer,
+                    dims.ctypes.data, strides.ctypes.data, box.ctypes.data, ones.ctypes.data,
+                    _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZEROS)
+                if result != 0:
+                    raise RuntimeError(f"cuTensorMapEncodeTiled refused the map "
+                                       f"{self._shapes[i]} at {pointer:#x}: CUresult {result}")
+                self._last[i] = pointer
+                self._unwritten.add(i)
+            if block_bytes is not None:
+                for i in self._unwritten:
+                    at = self._offsets[i]
+                    block_bytes[at:at + MAP_BYTES] = self._maps[
                         MAP_BYTES * i:MAP_BYTES * (i + 1)].data
-                self._unwritten = False
+                self._unwritten.clear()

@@ -608,6 +608,11 @@ def test_piped_plan_encodes_tensor_maps_on_host_memory(monkeypatch):
     host, dev = inputs()
     run(host, dev)
     assert [m[0] for m in device.maps[3:]] == [x.data.ptr for x in dev]
+    new_q = rng.standard_normal((2, 3, 100, 64)).astype(np.float16)  # a new q only
+    dev[0] = new_q.copy().view(device)
+    arrays.append(dev[0])
+    run([new_q] + host[1:], dev)
+    assert [m[0] for m in device.maps[6:]] == [dev[0].data.ptr]
     device.map_result = 1  # CUDA_ERROR_INVALID_VALUE: a new signature takes the fallback
     host, dev = inputs(sk=90)
     assert run(host, dev) == [

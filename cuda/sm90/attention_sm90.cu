@@ -245,6 +245,9 @@ __global__ void __launch_bounds__(3 * 128, 1)
         if (warp == NUM_WG * 4 && lane == 0) {
             const BatchCoords qb(p.q_s, b, p.batch1, p.batch2), kb(p.k_s, b, p.batch1, p.batch2),
                 vb(p.v_s, b, p.batch1, p.batch2);
+            prefetch_tensor_map(&w.q_map);
+            prefetch_tensor_map(&w.k_map);
+            prefetch_tensor_map(&w.v_map);
             mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
             for (int r = 0; r < NUM_WG; ++r)
