@@ -125,16 +125,23 @@ class AttentionCall:
                 "precision": self.precision}
 
 
-def byte_bounds(x) -> tuple[int, int]:
-    """[low, high) device or host addresses that the array ``x`` can touch."""
-    ptr = x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
+def byte_span(x) -> tuple[int, int]:
+    """[low, high) byte offsets from its first element that the array ``x`` can touch: a
+    function of its shape, strides and itemsize only."""
     if x.size == 0:
-        return ptr, ptr
-    lo = hi = ptr
+        return 0, 0
+    lo = hi = 0
     for n, st in zip(x.shape, x.strides):
         lo += min(0, (n - 1) * st)
         hi += max(0, (n - 1) * st)
     return lo, hi + x.itemsize
+
+
+def byte_bounds(x) -> tuple[int, int]:
+    """[low, high) device or host addresses that the array ``x`` can touch."""
+    ptr = x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
+    lo, hi = byte_span(x)
+    return ptr + lo, ptr + hi
 
 
 def may_overlap(x, y) -> bool:

@@ -17,10 +17,10 @@ import numpy as np
 from . import _dispatch, _split
 from ._checks import (
     AttentionCall,
+    byte_span,
     check_attention,
     loaded_cupy,
     lse_dtype,
-    may_overlap,
     sum_to_shape,
 )
 from ._kernels import get_kernel
@@ -254,16 +254,25 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
         if plan is not None:
             if len(_repeated) >= _MAX_PLANS:
                 _repeated.clear()
+            # a given out's address range against the inputs', per call: their spans
+            # from the first element (fixed by the signature), and out's
+            spans = None if out_key is None else (
+                byte_span(out), [byte_span(x) for x in (q, k, v, mask, bias) if x is not None])
             _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
-                              lse_dtype(call.dtype), plan)
+                              lse_dtype(call.dtype), plan, spans)
         return (out, lse) if call.return_lse else out
     if cupy.cuda.runtime.getDevice() != device:
         return None  # another device is current: the long way enters q's
-    out_shape, dtype, lse_shape, lse_dt, launch = entry
+    out_shape, dtype, lse_shape, lse_dt, launch, spans = entry
     if out is None:
         out = ndarray(out_shape, dtype)
-    elif any(x is not None and may_overlap(out, x) for x in (q, k, v, mask, bias)):
-        return None  # the long way names the overlap
+    else:
+        at = out.data.ptr
+        lo, hi = at + spans[0][0], at + spans[0][1]
+        for ptr, (x_lo, x_hi) in zip(
+                [qd.ptr, kd.ptr, vd.ptr] + [p for p in pointers if p], spans[1]):
+            if ptr + x_lo < hi and lo < ptr + x_hi:
+                return None  # the long way names the overlap
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
             *pointers], cupy.cuda.get_current_stream().ptr)
