@@ -254,6 +254,73 @@ def test_piped_plans_repeat_and_loop():
     assert_accurate(to_host(got), ref, naive_attention(*(to_host(x) for x in (q, k, v)), **kw))
 
 
+def _sm90_piped_pair(d, dv):
+    """The sm90 piped tiles for head dims (d, dv), and the per-block tiles with the same
+    128-row blocks and key tiles (None past 128, where the per-block instance stops)."""
+    piped = next(t for max_d, t, _ in sm90.SM90_PIPED_TILES if max(d, dv) <= max_d)
+    per_block = sm90.Sm90Tiles(128, piped.block_n) if max(d, dv) <= 128 else None
+    return piped, per_block
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
+                                     "mask_keypad", "bias_f32", "all"])
+@pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
+                                   (300, 5, 128, 64), (70, 1030, 64, 64), (130, 70, 256, 256),
+                                   (33, 77, 192, 64), (1, 333, 128, 128)])
+def test_sm90_piped_forward(dtype, feature, shape):
+    """The piped sm90 instance (tiles by the copy engine through tensor maps, two consumer
+    warpgroups taking turns) forced through its table's tiles: accurate on ragged shapes
+    with every feature, K and V broadcast over the heads (tensor maps of extent 1 there);
+    where a per-block instance has the same 128-row blocks and key tiles and no short last
+    tile (a head dim past 64), out and lse bit for bit its own."""
+    cp = _cp()
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq + 5 * sk + d + dv)
+    kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
+    q = _rand(rng, (2, 3, sq, d), dtype)
+    k, v = _rand(rng, (2, 1, sk, d), dtype), _rand(rng, (2, 1, sk, dv), dtype)
+    piped, per_block = _sm90_piped_pair(d, dv)
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    side = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
+    got = _attention(*dev, kernel="sm90", tiles=piped, return_lse=True, **{**kw, **side})
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    assert_accurate(to_host(got[0]), ref, naive_attention(q, k, v, **kw))
+    np.testing.assert_allclose(to_host(got[1]), ref_lse, rtol=2e-3, atol=2e-3)
+    if per_block is not None and max(d, dv) > 64:
+        want = _attention(*dev, kernel="sm90", tiles=per_block, return_lse=True,
+                          **{**kw, **side})
+        for a, b in zip(want, got):
+            assert bool(cp.array_equal(a, b, equal_nan=True))
+
+
+def test_sm90_piped_plans_follow_new_addresses_and_loop():
+    """The piped sm90 instance's plans: a repeated signature re-encodes the tensor map of
+    each input whose address changed (new q, k and v; then a new q beside the same k and
+    v) and gives each call its own result; batch axes that do not collapse into three (k
+    and v transposed among four batch axes) run as launch loops with maps per launch. Each
+    result bit for bit the per-block instance's with the same tiles."""
+    cp = _cp()
+    piped, per_block = _sm90_piped_pair(128, 128)
+    rng = np.random.default_rng(12)
+    k = v = None
+    for attempt in range(4):  # the first call plans, the others repeat it
+        q = cp.asarray(_rand(rng, (2, 3, 150, 128), np.float16))
+        if attempt < 3:
+            k, v = (cp.asarray(_rand(rng, (2, 3, 190, 128), np.float16)) for _ in range(2))
+        want = _attention(q, k, v, kernel="sm90", tiles=per_block, causal=True)
+        got = _attention(q, k, v, kernel="sm90", tiles=piped, causal=True)
+        assert bool(cp.array_equal(want, got)), attempt
+    q = cp.asarray(_rand(rng, (2, 3, 2, 3, 70, 128), np.float16))
+    k, v = (cp.asarray(_rand(rng, (3, 2, 3, 2, 90, 128), np.float16)).transpose(1, 0, 3, 2, 4, 5)
+            for _ in range(2))
+    want = _attention(q, k, v, kernel="sm90", tiles=per_block)
+    got = _attention(q, k, v, kernel="sm90", tiles=piped)
+    assert bool(cp.array_equal(want, got))
+    ref, _ = attention_reference(*(to_host(x) for x in (q, k, v)))
+    assert_accurate(to_host(got), ref, naive_attention(*(to_host(x) for x in (q, k, v))))
+
+
 #: the banded-grid test's variants: every family with its table's tiles, and the piped
 #: instance forced at its short sequences
 BANDED_VARIANTS = [(f, None) for f in FAMILY_NAMES] + [
