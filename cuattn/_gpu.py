@@ -127,9 +127,11 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
         maps = _tensor_maps(call, choice, extents, strides)
         if maps is None or not maps.check([x.data.ptr for x, _ in tensors[:3]]):
             if choice.fallback is None:
+                why = maps.refusal if maps is not None else \
+                    "the copy engine cannot read q, k or v with these strides"
                 raise NotImplementedError(
-                    f"the driver refused the tensor maps of {choice.name_expression} and no "
-                    f"other instance serves the call (a forced family?)")
+                    f"no tensor maps for {choice.name_expression} ({why}) and no other "
+                    f"instance serves the call (a forced family?)")
             return _forward_plan(call, choice.fallback, out, lse, prepared)
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
     num_m = -(-call.seqlen_q // choice.tiles.block_m)

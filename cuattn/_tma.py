@@ -44,7 +44,8 @@ def map_shape(cols: int, rows: int, extents, strides, itemsize: int, box_rows: i
     b0, b1, b2, row, col = strides
     if col != 1 and cols > 1:
         return None
-    dims, byte_strides = [cols, rows], [row * itemsize]
+    # a single row: its stride is never walked (a lone query's may be anything)
+    dims, byte_strides = [cols, rows], [row * itemsize if rows > 1 else 16]
     for extent, stride in ((extents[2], b2), (extents[1], b1), (extents[0], b0)):
         # a broadcast axis (stride 0) or one of extent 1: extent 1, any valid stride
         walks = stride != 0 and extent > 1
@@ -96,13 +97,15 @@ class TensorMaps:
             ones = np.ones(len(shape.extents), np.uint32)
             self._args.append((dims, strides, box, ones))
         self._lock = threading.Lock()
+        self.refusal = ""  # the driver's answer where :meth:`check` failed
 
     def check(self, pointers) -> bool:
         """Does the driver encode the maps of the tensors at ``pointers``? The plan's test
         before it takes the piped kernel; the maps are kept for the first launch."""
         try:
             self.write(None, pointers)
-        except RuntimeError:
+        except RuntimeError as error:
+            self.refusal = str(error)
             return False
         return True
 
