@@ -140,6 +140,9 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      call.precision)
     if choice is not None:
         banded = call.window_left >= 0 or call.window_right >= 0
+        if choice.tma and choice.fallback is not None \
+                and call.seqlen_k < choice.tma_from * (2 if banded else 1):
+            choice = choice.fallback  # too few keys to pay for the piped blocks
         return with_prepared_operands(choice, call.seqlen_q, banded)
     raise _no_family("kernel family", call, cc, forced)
 

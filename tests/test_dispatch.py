@@ -140,7 +140,12 @@ def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
     assert d128.tiles.block_m == 128 and d128.tiles.block_n == 128
     assert d128.shared_mem == 2 * (128 * 128 + 2 * 128 * 256) + 8 + 16 * 2
     assert d128.fallback.name_expression.startswith("attention_fwd_sm90<")
-    d64 = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32))
+    assert d128.tma_from == sm90.PIPED_MIN_KEYS and forward(BF16, 256).tma_from == 0
+    # to head dim 64, or with a mask or bias, the per-block instance unless tiles force it
+    for req in (hopper(F16, 64), hopper(F16, 128, mask=True), hopper(F16, 96, bias=F16)):
+        assert not sm90.forward(req).tma
+    assert sm90.forward(hopper(F16, 256, mask=True)).tma
+    d64 = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32), sm90.Sm90PipedTiles(128, 4))
     assert d64.name_expression == (
         "attention_fwd_sm90_piped<__half, float, true, 64, 64, 128, 4>")
     assert d64.shared_mem == 2 * (128 * 64 + 4 * 128 * 128) + 8 + 16 * 4
@@ -151,6 +156,23 @@ def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
         sm90.forward(hopper(F16, 64, aligned=False), sm90.Sm90PipedTiles(64, 3))
     # a piped instance that does not fit leaves the per-block one
     assert not sm90.forward(hopper(F16, 128, limit=150000)).tma
+
+
+@pytest.mark.parametrize("seqlen_k, causal, piped", [(1024, False, False), (2048, False, True),
+                                                     (2048, True, False), (4096, True, True)])
+def test_sm90_piped_instance_from_enough_keys(seqlen_k, causal, piped):
+    """Up to head dim 128 a call takes the piped instance from PIPED_MIN_KEYS keys (a band
+    from twice as many), else its per-block fallback; past 128 at any length."""
+    from _hostdev import on_device
+
+    from cuattn._checks import check_attention
+    rng = np.random.default_rng(0)
+    for head, want in ((128, piped), (256, True)):
+        q = on_device(rng.standard_normal((1, 2, 8, head)).astype(np.float16))
+        k, v = (on_device(rng.standard_normal((1, 2, seqlen_k, head)).astype(np.float16))
+                for _ in range(2))
+        choice = d.forward_kernel(check_attention(q, k, v, causal=causal), *H200)
+        assert choice.tma == want and choice.family == "sm90"
 
 
 def test_sm90_instances_and_shared_memory():
@@ -581,9 +603,9 @@ def test_piped_plan_encodes_tensor_maps_on_host_memory(monkeypatch):
     device = fake_gpu(monkeypatch, arrays, launches, np.float16)
     rng = np.random.default_rng(5)
 
-    def inputs(sk=77):
+    def inputs(sk=2048):
         host = [rng.standard_normal(shape).astype(np.float16)
-                for shape in ((2, 3, 100, 64), (2, 1, sk, 64), (2, 1, sk, 64))]
+                for shape in ((2, 3, 100, 128), (2, 1, sk, 128), (2, 1, sk, 128))]
         dev = [x.copy().view(device) for x in host]
         arrays.extend(dev)
         return host, dev
@@ -596,24 +618,24 @@ def test_piped_plan_encodes_tensor_maps_on_host_memory(monkeypatch):
 
     host, dev = inputs()
     assert run(host, dev) == [
-        "attention_fwd_sm90_piped<__half, cuattn::NoBias, false, 64, 64, 128, 4>"]
+        "attention_fwd_sm90_piped<__half, cuattn::NoBias, false, 128, 128, 128, 2>"]
     q, k, v = dev
     # batch axes (2, 3): k broadcasts along the second, so the kernel keeps both
     assert device.maps == [
-        (q.data.ptr, (64, 100, 3, 2, 1), (128, 100 * 128, 3 * 100 * 128, 16), (64, 64, 1, 1, 1)),
-        (k.data.ptr, (64, 77, 1, 2, 1), (128, 16, 77 * 128, 16), (64, 128, 1, 1, 1)),
-        (v.data.ptr, (64, 77, 1, 2, 1), (128, 16, 77 * 128, 16), (64, 128, 1, 1, 1))]
+        (q.data.ptr, (128, 100, 3, 2, 1), (256, 100 * 256, 3 * 100 * 256, 16), (64, 64, 1, 1, 1)),
+        (k.data.ptr, (128, 2048, 1, 2, 1), (256, 16, 2048 * 256, 16), (64, 128, 1, 1, 1)),
+        (v.data.ptr, (128, 2048, 1, 2, 1), (256, 16, 2048 * 256, 16), (64, 128, 1, 1, 1))]
     run(host, dev)  # the same addresses: the block still holds their maps
     assert len(device.maps) == 3
     host, dev = inputs()
     run(host, dev)
     assert [m[0] for m in device.maps[3:]] == [x.data.ptr for x in dev]
-    new_q = rng.standard_normal((2, 3, 100, 64)).astype(np.float16)  # a new q only
+    new_q = rng.standard_normal((2, 3, 100, 128)).astype(np.float16)  # a new q only
     dev[0] = new_q.copy().view(device)
     arrays.append(dev[0])
     run([new_q] + host[1:], dev)
     assert [m[0] for m in device.maps[6:]] == [dev[0].data.ptr]
     device.map_result = 1  # CUDA_ERROR_INVALID_VALUE: a new signature takes the fallback
-    host, dev = inputs(sk=90)
+    host, dev = inputs(sk=2100)
     assert run(host, dev) == [
-        "attention_fwd_sm90<__half, cuattn::NoBias, false, 64, 64, 64, 1, 2, true, 4>"]
+        "attention_fwd_sm90<__half, cuattn::NoBias, false, 128, 128, 64, 1, 2, true, 1>"]

@@ -114,6 +114,9 @@ class KernelChoice:
     #: the instance that serves the call where the driver refuses a map
     tma: bool = False
     fallback: KernelChoice | None = None
+    #: the fewest keys for which the piped instance is taken over its fallback (a causal or
+    #: window band needs twice as many)
+    tma_from: int = 0
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,13 @@ SM90_PIPED_TILES = (
 )
 #: the largest head dim of the per-block instance (its 64-row warpgroup's registers)
 PER_BLOCK_HEAD = 128
+#: Up to PER_BLOCK_HEAD dispatch takes the piped instance only past head dim 64, without a
+#: mask or bias (its consumers read those from global memory where the per-block blocks
+#: stage them) and from this many keys (a band: twice). H100 float16, 16K tokens, H16 D128,
+#: piped / per-block TFLOP/s: S1024 361 / 360, S2048 418 / 410, S4096 431 / 405; causal
+#: S2048 320 / 339, S4096 416 / 392; D128 S4096 mask 109 / 282; D64 H32 S4096 310 / 349
+#: (the per-block 64 x 128 tiles).
+PIPED_MIN_HEAD, PIPED_MIN_KEYS = 64, 2048
 
 #: (largest head dim, candidate tiles in order of preference, reason).
 SM90_TILES = (
@@ -145,6 +152,9 @@ def forward(req: Request,
         _per_block(req, tiles, hd, hdv)
     if not req.aligned or isinstance(tiles, Sm90Tiles):
         return per_block
+    if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD or req.has_mask
+                                       or req.bias_dtype is not None):
+        return per_block
     piped = tiles or next(t for max_d, t, _ in SM90_PIPED_TILES if req.head <= max_d)
     smem = sm90_piped_smem_bytes(piped, hd, hdv)
     if smem > req.smem_limit:
@@ -157,7 +167,8 @@ def forward(req: Request,
     # past 128, dispatch gives the fallback: the next family's instance
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=piped.num_warps * 32, tma=True, fallback=per_block)
+                        threads=piped.num_warps * 32, tma=True, fallback=per_block,
+                        tma_from=0 if wide or tiles else PIPED_MIN_KEYS)
 
 
 def _per_block(req: Request, tiles: Sm90Tiles | None, hd: int, hdv: int) -> KernelChoice:
