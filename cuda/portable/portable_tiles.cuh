@@ -215,17 +215,22 @@ __device__ __forceinline__ void scores(A (&s)[TM][TN], const A* q_s, const A* k_
     scores_strided<TM, TN, D_TILE, PAD, 1, 16, 2>(s, q_s, k_s, ty * TM, tx);
 }
 
-// scores() of one chunk of a longer contraction; APART: the chunk's products summed on
-// their own and then added to s, a blocked sum (one chain of 400-odd float32 products is
+// scores() of one chunk of a longer contraction; APART: each 64 columns' products summed
+// on their own and then added to s, a blocked sum (a chain of 100-odd float32 products is
 // less accurate than BLAS's blocked sums), in registers a one-chunk kernel does not hold.
 template <int TM, int TN, int D_TILE, int PAD, bool APART, typename A>
 __device__ __forceinline__ void chunk_scores(A (&s)[TM][TN], const A* q_s, const A* k_s,
                                              int tx, int ty) {
     if constexpr (APART) {
-        A part[TM][TN];
-        clear_tile(part);
-        scores<TM, TN, D_TILE, PAD>(part, q_s, k_s, tx, ty);
-        add_tile(s, part);
+        constexpr int SUB = D_TILE < 64 ? D_TILE : 64;
+#pragma unroll 1
+        for (int c = 0; c < D_TILE; c += SUB) {
+            A part[TM][TN];
+            clear_tile(part);
+            // SUB columns of rows D_TILE + PAD apart
+            scores<TM, TN, SUB, PAD + D_TILE - SUB>(part, q_s + c, k_s + c, tx, ty);
+            add_tile(s, part);
+        }
     } else {
         scores<TM, TN, D_TILE, PAD>(s, q_s, k_s, tx, ty);
     }
