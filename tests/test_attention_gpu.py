@@ -263,17 +263,25 @@ def _fits(tiles, d, dv, mask=None, bias=None):
     return smem <= cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-def _sm90_piped_pair(d, dv):
-    """The sm90 piped tiles for head dims (d, dv), and the per-block tiles with the same
-    128-row blocks and key tiles (None past 128, where the per-block instance stops)."""
-    piped = next(t for max_d, t, _ in sm90.SM90_PIPED_TILES if max(d, dv) <= max_d)
+def _sm90_piped_pair(d, dv, mask=None, bias=None):
+    """The sm90 piped tiles for head dims (d, dv) (the table's first that fit beside this
+    mask and bias), and the per-block tiles with the same 128-row blocks and key tiles
+    (None past 128, where the per-block instance stops); None, None where none fit."""
+    limit = _cp().cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    hd, hdv = -(-d // 64) * 64, -(-dv // 64) * 64
+    side = (mask is not None, 0 if bias is None else bias.dtype.itemsize)
+    piped = next((t for t in next(c for max_d, c, _ in sm90.SM90_PIPED_TILES
+                                  if max(d, dv) <= max_d)
+                  if sm90.sm90_piped_smem_bytes(t, hd, hdv, *side) <= limit), None)
+    if piped is None:
+        return None, None
     per_block = sm90.Sm90Tiles(128, piped.block_n) if max(d, dv) <= 128 else None
     return piped, per_block
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap", "mask_full",
-                                     "mask_keypad", "bias_f32", "all"])
+                                     "mask_keypad", "mask_rows", "bias_f32", "all"])
 @pytest.mark.parametrize("shape", [(203, 203, 64, 64), (113, 257, 128, 128), (40, 50, 64, 24),
                                    (300, 5, 128, 64), (70, 1030, 64, 64), (130, 70, 256, 256),
                                    (33, 77, 192, 64), (1, 333, 128, 128)])
@@ -281,6 +289,9 @@ def test_sm90_piped_forward(dtype, feature, shape):
     """The piped sm90 instance (tiles by the copy engine through tensor maps, two consumer
     warpgroups taking turns) forced through its table's tiles: accurate on ragged shapes
     with every feature, K and V broadcast over the heads (tensor maps of extent 1 there);
+    masks and biases staged by the producer warpgroup (one row of a key-padding mask), or
+    read from global memory (a mask of column stride 0; a D256 float32 bias, whose staged
+    tiles do not fit);
     where a per-block instance has the same 128-row blocks and key tiles and no short last
     tile (a head dim past 64), out and lse bit for bit its own."""
     cp = _cp()
@@ -289,9 +300,14 @@ def test_sm90_piped_forward(dtype, feature, shape):
     kw = FEATURES[feature](rng, sq, sk) if feature != "plain" else {}
     q = _rand(rng, (2, 3, sq, d), dtype)
     k, v = _rand(rng, (2, 1, sk, d), dtype), _rand(rng, (2, 1, sk, dv), dtype)
-    piped, per_block = _sm90_piped_pair(d, dv)
     dev = [cp.asarray(x) for x in (q, k, v)]
     side = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
+    piped, per_block = _sm90_piped_pair(d, dv, **side)
+    if piped is None:  # D256 beside a float32 bias: no piped tiles fit (the mma family's)
+        with pytest.raises(NotImplementedError, match="shared memory"):
+            _attention(*dev, kernel="sm90", tiles=sm90.SM90_PIPED_TILES[-1][1][0],
+                       **{**kw, **side})
+        return
     got = _attention(*dev, kernel="sm90", tiles=piped, return_lse=True, **{**kw, **side})
     ref, ref_lse = attention_reference(q, k, v, **kw)
     assert_accurate(to_host(got[0]), ref, naive_attention(q, k, v, **kw))

@@ -145,17 +145,30 @@ def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
     for req in (hopper(F16, 64), hopper(F16, 128, mask=True), hopper(F16, 96, bias=F16)):
         assert not sm90.forward(req).tma
     assert sm90.forward(hopper(F16, 256, mask=True)).tma
+    # a mask and bias staged in each slot: 128 rows of 144 (mask) and 528 bytes (float32
+    # bias: 128 keys and a chunk for a misaligned start)
+    staged = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32),
+                          sm90.Sm90PipedTiles(64, 2))
+    assert staged.name_expression == (
+        "attention_fwd_sm90_piped<__half, float, true, 64, 64, 64, 2>")
+    assert staged.shared_mem == 2 * (128 * 64 + 2 * 64 * 128) + 2 * 128 * (80 + 272) + 8 + 16 * 2
+    # where the staged tiles do not fit, the softmax reads them from global memory
     d64 = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32), sm90.Sm90PipedTiles(128, 4))
     assert d64.name_expression == (
-        "attention_fwd_sm90_piped<__half, float, true, 64, 64, 128, 4>")
+        "attention_fwd_sm90_piped<__half, float, true, 64, 64, 128, 4, false>")
     assert d64.shared_mem == 2 * (128 * 64 + 4 * 128 * 128) + 8 + 16 * 4
+    wide = sm90.forward(hopper(F16, 256, bias=np.float32))
+    assert wide.tma and wide.name_expression.endswith("256, 256, 64, 2, false>")
+    assert sm90.forward(hopper(F16, 256, mask=True)).name_expression.endswith(
+        "256, 256, 64, 2>")
     assert not sm90.forward(hopper(F16, 64, aligned=False)).tma
     assert sm90.forward(hopper(F16, 64), sm90.Sm90PipedTiles(64, 3)).name_expression.endswith(
         "64, 64, 64, 3>")
     with pytest.raises(NotImplementedError, match="tensor maps"):
         sm90.forward(hopper(F16, 64, aligned=False), sm90.Sm90PipedTiles(64, 3))
-    # a piped instance that does not fit leaves the per-block one
-    assert not sm90.forward(hopper(F16, 128, limit=150000)).tma
+    # the table's next tiles where the first do not fit, else the per-block instance
+    assert sm90.forward(hopper(F16, 128, limit=150000)).tiles.block_n == 64
+    assert not sm90.forward(hopper(F16, 128, limit=90000)).tma
 
 
 @pytest.mark.parametrize("seqlen_k, causal, piped", [(1024, False, False), (2048, False, True),

@@ -26,7 +26,8 @@ BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
                                    "ALIGNED MIN_BLOCKS")
 FWD_PIPED = Kernel("attention_fwd_sm90_piped",
-                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES")
+                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE",
+                   defaults={"STAGE_SIDE": True})
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
                                          "MIN_BLOCKS OVERLAP STATS_AHEAD",
               defaults={"STATS_AHEAD": False})
@@ -68,17 +69,20 @@ class Sm90PipedTiles:
         return 12
 
 
-#: the piped instance's tiles, by largest head dim (taken first where q, k, v are aligned)
+#: the piped instance's tiles, by largest head dim: candidates in order of preference, the
+#: first whose slots fit with the staged mask and bias tiles (128 query rows each)
 SM90_PIPED_TILES = (
-    (64, Sm90PipedTiles(128, 4), "D64: four K/V slots fit in 144 KB"),
-    (128, Sm90PipedTiles(128, 2), "D128: two K/V slots of 64 KB, with Q 160 KB"),
-    (256, Sm90PipedTiles(64, 2), "D256: 64-key tiles (128 spill), with Q 192 KB"),
+    (64, (Sm90PipedTiles(128, 4), Sm90PipedTiles(128, 2), Sm90PipedTiles(64, 2)),
+     "D64: four K/V slots fit in 144 KB"),
+    (128, (Sm90PipedTiles(128, 2), Sm90PipedTiles(64, 2)),
+     "D128: two K/V slots of 64 KB, with Q 160 KB; 64-key tiles beside a float32 bias"),
+    (256, (Sm90PipedTiles(64, 2),), "D256: 64-key tiles (128 spill), with Q 192 KB"),
 )
 #: the largest head dim of the per-block instance (its 64-row warpgroup's registers)
 PER_BLOCK_HEAD = 128
 #: Up to PER_BLOCK_HEAD dispatch takes the piped instance only past head dim 64, without a
-#: mask or bias (its consumers read those from global memory where the per-block blocks
-#: stage them) and from this many keys (a band: twice). H100 float16, 16K tokens, H16 D128,
+#: mask or bias (as measured with the softmax reading them from global memory) and from
+#: this many keys (a band: twice). H100 float16, 16K tokens, H16 D128,
 #: piped / per-block TFLOP/s: S1024 361 / 360, S2048 418 / 410, S4096 431 / 405; causal
 #: S2048 320 / 339, S4096 416 / 392; D128 S4096 mask 109 / 282; D64 H32 S4096 310 / 349
 #: (the per-block 64 x 128 tiles).
@@ -108,11 +112,13 @@ FWD_SMEM = Layout("FwdSm90Smem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int 
 ))
 
 #: attention_fwd_sm90_piped: Q of the NUM_WG consumer warpgroups, STAGES slots of a K and a
-#: V tile, Q's barrier and each slot's two (full, then empty)
+#: V tile, each slot's mask and bias tiles (the masks' first), Q's barrier and each slot's
+#: two (full, then empty)
 PIPED_SMEM = Layout("FwdSm90TmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, "
-                    "int BLOCK_N, int STAGES", (
+                    "int BLOCK_N, int STAGES, bool HAS_MASK, int BIAS_SIZE", (
     ("q_s", "T", "NUM_WG * 64 * HEAD_DIM"),
     ("slots", "T", "STAGES * BLOCK_N * (HEAD_DIM + HEAD_DIM_V)"),
+    ("side_s", "unsigned char", SIDE.replace("ROWS", "NUM_WG * 64").replace("COLS", "BLOCK_N")),
     ("q_full", "unsigned char", "8"),
     ("full", "unsigned char", "8 * STAGES"),
     ("empty", "unsigned char", "8 * STAGES"),
@@ -127,11 +133,12 @@ def sm90_smem_bytes(tiles: Sm90Tiles, head_dim: int, head_dim_v: int, has_mask: 
                           BIAS_SIZE=bias_itemsize)
 
 
-def sm90_piped_smem_bytes(tiles: Sm90PipedTiles, head_dim: int, head_dim_v: int) -> int:
+def sm90_piped_smem_bytes(tiles: Sm90PipedTiles, head_dim: int, head_dim_v: int,
+                          has_mask: bool = False, bias_itemsize: int = 0) -> int:
     """Dynamic shared memory of attention_fwd_sm90_piped (PIPED_SMEM)."""
     return PIPED_SMEM.bytes(T=2, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                             NUM_WG=tiles.block_m // 64, BLOCK_N=tiles.block_n,
-                            STAGES=tiles.stages)
+                            STAGES=tiles.stages, HAS_MASK=has_mask, BIAS_SIZE=bias_itemsize)
 
 
 def forward(req: Request,
@@ -155,15 +162,25 @@ def forward(req: Request,
     if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD or req.has_mask
                                        or req.bias_dtype is not None):
         return per_block
-    piped = tiles or next(t for max_d, t, _ in SM90_PIPED_TILES if req.head <= max_d)
-    smem = sm90_piped_smem_bytes(piped, hd, hdv)
-    if smem > req.smem_limit:
+    # the table's tiles with the mask and bias tiles staged in each slot, then without
+    # (read from global memory) where none of them fits
+    bias_size = itemsize(req.bias_dtype)
+    side = req.has_mask or bias_size > 0
+    cands = (tiles,) if tiles else next(c for max_d, c, _ in SM90_PIPED_TILES
+                                        if req.head <= max_d)
+    fits = [(t, staged, sm90_piped_smem_bytes(t, hd, hdv, req.has_mask and staged,
+                                              bias_size if staged else 0))
+            for staged in ((True, False) if side else (True,)) for t in cands]
+    fits = [fit for fit in fits if fit[2] <= req.smem_limit]
+    if not fits:
         if tiles is not None:
-            raise NotImplementedError(f"the sm90 piped tiles {piped} need {smem} bytes of "
-                                      f"shared memory, more than {req.smem_limit}")
+            raise NotImplementedError(f"the sm90 piped tiles {tiles} need more than "
+                                      f"{req.smem_limit} bytes of shared memory here")
         return per_block
+    piped, staged, smem = fits[0]
     expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
-                     HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages)
+                     HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages,
+                     STAGE_SIDE=staged)
     # past 128, dispatch gives the fallback: the next family's instance
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,

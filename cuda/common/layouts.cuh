@@ -145,12 +145,13 @@ struct FwdSm90Smem {
 };
 
 // cuattn/families/sm90.py
-template <typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, int BLOCK_N, int STAGES>
+template <typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, int BLOCK_N, int STAGES, bool HAS_MASK, int BIAS_SIZE>
 struct FwdSm90TmaSmem {
     enum : long long {
         q_s = 0,
         slots = q_s + (long long)sizeof(T) * ((NUM_WG * 64) * HEAD_DIM),
-        q_full = slots + (long long)sizeof(T) * ((STAGES * BLOCK_N) * (HEAD_DIM + HEAD_DIM_V)),
+        side_s = slots + (long long)sizeof(T) * ((STAGES * BLOCK_N) * (HEAD_DIM + HEAD_DIM_V)),
+        q_full = side_s + (long long)1 * (STAGES * ((HAS_MASK ? ((NUM_WG * 64) * side_pitch_bytes(1, BLOCK_N)) : 0) + ((BIAS_SIZE > 0) ? ((NUM_WG * 64) * side_pitch_bytes(BIAS_SIZE, BLOCK_N)) : 0))),
         full = q_full + (long long)1 * 8,
         empty = full + (long long)1 * (8 * STAGES),
         BYTES = empty + (long long)1 * (8 * STAGES),

@@ -245,11 +245,11 @@ template <typename E, int COLS> constexpr int side_pitch() {
 // whole grid's copies do not converge on one L2 line. Every byte read shares an aligned
 // 16-byte chunk with an element of the array, so no read leaves the array's pages. The
 // caller commits the cp.async group and orders the tile before its reads (cp_async_wait,
-// barrier).
+// barrier). THREADS threads copy, this one as `tid` of them.
 template <int ROWS, int COLS, int PITCH, int THREADS, typename E>
 __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src,
                                                 long long row_stride, long long nrows,
-                                                long long ncols) {
+                                                long long ncols, int tid) {
     constexpr int CHUNKS = (COLS * (int)sizeof(E)) / 16 + 1;  // with a misaligned start
     static_assert(PITCH % 16 == 0 && PITCH >= 16 * CHUNKS, "room for the chunks of a row");
     const int shift = (int)(reinterpret_cast<unsigned long long>(src) & 15);
@@ -257,7 +257,7 @@ __device__ __forceinline__ void stage_side_tile(unsigned char* dst, const E* src
     const int rows = row_stride == 0 ? 1 : (int)(nrows < ROWS ? nrows : ROWS);
     const int bytes = (int)((ncols < COLS ? ncols : COLS) * (long long)sizeof(E)) + shift;
 #pragma unroll
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS, c = idx % CHUNKS * 16;
         if (r >= rows) break;  // idx grows with r
         const int n = max(0, min(16, bytes - c));
@@ -303,18 +303,22 @@ struct SideTiles {
           staged((!HAS_MASK || stages<unsigned char>(p.mask_s)) &&
                  (!HAS_BIAS || stages<BiasT>(p.bias_s))) {}
 
-    // the tiles of queries q0 .. and keys k0 .. into stage st, when staged (cp.async; the
-    // caller commits and waits)
-    __device__ void request(int st, long long q0, long long k0) const {
+    // the tiles of queries q0 .. and keys k0 .. into stage st, when staged (cp.async by
+    // THREADS threads, this one as `tid`, the block's threads by default; the caller commits
+    // and waits)
+    __device__ void request(int st, long long q0, long long k0, int tid) const {
         if (!staged) return;
         if constexpr (HAS_MASK)
             stage_side_tile<ROWS, COLS, M_PITCH, THREADS>(
                 smem + st * M_BYTES, mask + q0 * p.mask_s.row + k0, p.mask_s.row,
-                p.seqlen_q - q0, p.seqlen_k - k0);
+                p.seqlen_q - q0, p.seqlen_k - k0, tid);
         if constexpr (HAS_BIAS)
             stage_side_tile<ROWS, COLS, B_PITCH, THREADS>(
                 smem + STAGES * M_BYTES + st * B_BYTES, bias + q0 * p.bias_s.row + k0,
-                p.bias_s.row, p.seqlen_q - q0, p.seqlen_k - k0);
+                p.bias_s.row, p.seqlen_q - q0, p.seqlen_k - k0, tid);
+    }
+    __device__ void request(int st, long long q0, long long k0) const {
+        request(st, q0, k0, (int)threadIdx.x);
     }
     // stage st as requested for (q0, k0): where its elements start (the array's offset in
     // its 16-byte chunk) and the row pitch (0 for one row)

@@ -168,9 +168,12 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
 // swizzle: the layout above), with zeros past the sequences and head dims. Per key tile t a
 // consumer warpgroup issues O += P(t-1) V(t-1) and S(t) = Q K(t)^T together, releases slot
 // t - 1 once the first is done, then runs the softmax of tile t while the other warpgroup
-// issues (pingpong_tiles: FlashAttention-3's schedule). The mask and bias are read from
-// global memory by the softmax. Python takes this instance where the tensor maps exist:
-// q, k and v with unit column strides and 16-byte aligned starts and strides (_tma.py).
+// issues (pingpong_tiles: FlashAttention-3's schedule). With STAGE_SIDE, the producer
+// warpgroup's threads also copy each key tile's mask and bias tiles into its slot
+// (cp.async, SideTiles: where their strides allow) and arrive on the slot's barrier once
+// they have landed; otherwise the softmax reads them from global memory. Python takes this
+// instance where the tensor maps exist: q, k and v with unit column strides and 16-byte
+// aligned starts and strides (_tma.py).
 
 // The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
 // (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
@@ -197,24 +200,30 @@ struct BatchCoords {
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int STAGES>
+          int STAGES, bool STAGE_SIDE = true>
 __global__ void __launch_bounds__(3 * 128, 1)
     attention_fwd_sm90_piped(const __grid_constant__ FwdTmaParams w) {
     constexpr int NUM_WG = 2, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256 && HEAD_DIM_V % 64 == 0 &&
                       HEAD_DIM_V <= 256 && (BLOCK_N == 64 || BLOCK_N == 128),
                   "wgmma shapes of wgmma.cuh (P V in 128-column products)");
-    // registers per thread: the producer keeps 24, the consumers take the rest of the
-    // block's allocation at launch (384 threads x 168)
-    constexpr int CONSUMER_REGS = 240;
-    static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * 24 <= 65536, "register budgets");
+    // the mask and bias tiles of each slot, copied by the producer warpgroup's threads
+    constexpr bool SIDE = STAGE_SIDE && (HAS_MASK || !is_same_v<BiasT, NoBias>);
+    using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, 128, false>;
+    // registers per thread: the producer keeps 24 (40 where it also copies the mask and
+    // bias tiles), the consumers take the rest of the block's allocation at launch (384
+    // threads x 168)
+    constexpr int PRODUCER_REGS = SIDE ? 40 : 24, CONSUMER_REGS = SIDE ? 232 : 240;
+    static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536,
+                  "register budgets");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM;
     constexpr unsigned Q_BYTES = NUM_WG * Q_ELEMS * sizeof(T), K_BYTES = K_ELEMS * sizeof(T),
                        SLOT_BYTES = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * sizeof(T);
     const AttnParams& p = w.p;
 
-    using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES>;
-    static_assert(L::q_full - L::slots == (long long)STAGES * SLOT_BYTES, "a slot's bytes");
+    using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES, HAS_MASK && SIDE,
+                             SIDE ? (int)Side::BIAS_SIZE : 0>;
+    static_assert(L::side_s - L::slots == (long long)STAGES * SLOT_BYTES, "a slot's bytes");
     static_assert(L::full - L::q_full == 8 && L::empty - L::full == 8 * STAGES, "barriers");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned q_s = smem_addr(smem_raw + L::q_s),  // [NUM_WG][64 x HEAD_DIM]
@@ -232,19 +241,26 @@ __global__ void __launch_bounds__(3 * 128, 1)
     const Range keys = key_band(p, m0, m_last, BLOCK_N);
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
     const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    const Side side(smem_raw + L::side_s, blk.mask, blk.bias, p);
+    const bool staged = SIDE && side.staged;  // the same for every block of the call
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
-        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4);
+        // a slot is full with the copy engine's bytes, and the staged tiles of every
+        // producer thread
+        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged ? 1 + 128 : 1);
         fence_mbar_init();
     }
     __syncthreads();  // the barriers ready for everyone: the copies start now
 
     if (wg == NUM_WG) {  // the producer warpgroup: its registers go to the consumers
-        setmaxnreg_dec<24>();
-        if (warp == NUM_WG * 4 && lane == 0) {
-            const BatchCoords qb(p.q_s, b, p.batch1, p.batch2), kb(p.k_s, b, p.batch1, p.batch2),
-                vb(p.v_s, b, p.batch1, p.batch2);
+        setmaxnreg_dec<PRODUCER_REGS>();
+        const int tid = threadIdx.x - NUM_WG * 128;
+        const bool copier = tid == 0;  // the lane that issues the bulk tensor copies
+        if (!copier && !staged) return;
+        const BatchCoords kb(p.k_s, b, p.batch1, p.batch2), vb(p.v_s, b, p.batch1, p.batch2);
+        if (copier) {
+            const BatchCoords qb(p.q_s, b, p.batch1, p.batch2);
             prefetch_tensor_map(&w.q_map);
             prefetch_tensor_map(&w.k_map);
             prefetch_tensor_map(&w.v_map);
@@ -255,10 +271,12 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 for (int g = 0; g < HEAD_DIM / 64; ++g)
                     tma_load(q_s + (r * Q_ELEMS + g * 64 * 64) * sizeof(T), &w.q_map, 64 * g,
                              (int)m0 + 64 * r, qb.c2, qb.c1, qb.c0, q_full);
-            produce_tiles<STAGES>(tiles, full, empty, [&](int t, int s, unsigned bar) {
+        }
+        produce_tiles<STAGES>(tiles, full, empty, [&](int t, int s, unsigned bar) {
+            const int n0 = n_lo + t * BLOCK_N;
+            if (copier) {
                 mbar_expect_tx(bar, SLOT_BYTES);
                 const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
-                const int n0 = n_lo + t * BLOCK_N;
 #pragma unroll
                 for (int g = 0; g < HEAD_DIM / 64; ++g)
                     tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, n0, kb.c2, kb.c1,
@@ -267,8 +285,12 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 for (int g = 0; g < HEAD_DIM_V / 64; ++g)
                     tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, n0, vb.c2, vb.c1,
                              vb.c0, bar);
-            });
-        }
+            }
+            if (staged) {
+                side.request(s, m0, n0, tid);
+                cp_async_arrive(bar);
+            }
+        });
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
@@ -298,8 +320,13 @@ __global__ void __launch_bounds__(3 * 128, 1)
         const int n0 = n_lo + t * BLOCK_N;
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
-        const float scale = mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
-                                                           blk.mask, blk.bias);
+        const int st = t % STAGES;
+        const float scale =
+            staged ? mask_scores<BLOCK_N, HAS_MASK, BiasT>(sc, p, row0, n0, lane, interior,
+                                                           side.mask_view(st, m0, n0),
+                                                           side.bias_view(st, m0, n0))
+                   : mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior, blk.mask,
+                                                    blk.bias);
         update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
         pack_a<BLOCK_N, T>(p_frag, sc);
     };

@@ -68,14 +68,15 @@ __device__ __forceinline__ void fence_mbar_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 // The barriers of SLOTS tile slots, 8 bytes apart from `full` and from `empty`: `full`
-// completes with one arrival (the producer's, with the copies' bytes), `empty` with one
-// arrival per consumer warp (each releasing the slot once its products are done).
+// completes with `fills` arrivals (the producer's, the first with the copies' bytes),
+// `empty` with one arrival per consumer warp (each releasing the slot once its products
+// are done).
 template <int SLOTS>
 __device__ __forceinline__ void init_slot_barriers(unsigned full, unsigned empty,
-                                                   unsigned consumer_warps) {
+                                                   unsigned consumer_warps, unsigned fills = 1) {
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s) {
-        mbar_init(full + 8 * s, 1);
+        mbar_init(full + 8 * s, fills);
         mbar_init(empty + 8 * s, consumer_warps);
     }
 }
@@ -83,6 +84,11 @@ __device__ __forceinline__ void init_slot_barriers(unsigned full, unsigned empty
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
+}
+// One arrival on `bar` once this thread's earlier cp.async copies have landed (one of the
+// arrivals the barrier counts).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
