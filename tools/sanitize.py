@@ -28,6 +28,8 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SHAPES = ((70, 130, 64, 64), (33, 65, 128, 128), (40, 24, 256, 256), (17, 90, 96, 40))
 #: a query length that takes the prepared-operand (piped) forms of the float32 families
 LONG = (2048, 160, 64, 64)
+#: the piped sm90 forward with its mask and bias tiles staged (rows 16-byte multiples)
+PIPED = (130, 144, 192, 192)
 
 
 def _cases(families=None):
@@ -50,6 +52,8 @@ def _cases(families=None):
                     shapes = [s for s in SHAPES if max(s[2:]) <= fam.max_head_dim]
                     if name == "float32" and direction == "fwd":
                         shapes.append(LONG)
+                    if fam.name == "sm90" and direction == "fwd":
+                        shapes.append(PIPED)
                     for shape in shapes:
                         for features in ("plain", "masked"):
                             out.append((fam.name, direction, name, precision, shape, features))
