@@ -26,8 +26,8 @@ BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
                                    "ALIGNED MIN_BLOCKS")
 FWD_PIPED = Kernel("attention_fwd_sm90_piped",
-                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE",
-                   defaults={"STAGE_SIDE": True})
+                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE OVERLAP",
+                   defaults={"STAGE_SIDE": True, "OVERLAP": False})
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
                                          "MIN_BLOCKS OVERLAP STATS_AHEAD",
               defaults={"STATS_AHEAD": False})
@@ -59,10 +59,12 @@ class Sm90PipedTiles:
     """Tiles of attention_fwd_sm90_piped: 128 query rows (two consumer warpgroups of 64,
     taking turns to issue their products) and one producer warpgroup, ``block_n`` keys per
     tile, ``stages`` K/V slots. Needs q, k and v as the copy engine reads them (unit
-    column strides, 16-byte aligned starts and strides: Request.aligned)."""
+    column strides, 16-byte aligned starts and strides: Request.aligned). ``overlap``: each
+    consumer's softmax also runs under its own previous P V (pingpong_tiles_overlapped)."""
     block_n: int
     stages: int
     block_m: int = 128
+    overlap: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -180,7 +182,7 @@ def forward(req: Request,
     piped, staged, smem = fits[0]
     expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                      HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages,
-                     STAGE_SIDE=staged)
+                     STAGE_SIDE=staged, OVERLAP=piped.overlap)
     # past 128, dispatch gives the fallback: the next family's instance
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,

@@ -200,7 +200,7 @@ struct BatchCoords {
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int STAGES, bool STAGE_SIDE = true>
+          int STAGES, bool STAGE_SIDE = true, bool OVERLAP = false>
 __global__ void __launch_bounds__(3 * 128, 1)
     attention_fwd_sm90_piped(const __grid_constant__ FwdTmaParams w) {
     constexpr int NUM_WG = 2, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -316,7 +316,9 @@ __global__ void __launch_bounds__(3 * 128, 1)
     auto release = [&](int t) {  // every product on slot t % STAGES is done
         if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
     };
-    auto softmax = [&](int t) {  // of S(t), into the row state, O's rescale and P(t)
+    float alpha[2];
+    bool rescale = false;
+    auto stats = [&](int t) {  // of S(t): scores, row max and sum, P(t) in place (sc)
         const int n0 = n_lo + t * BLOCK_N;
         const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
                                                p, m0, m_last, n0, seqlen_q, seqlen_k, off);
@@ -327,11 +329,23 @@ __global__ void __launch_bounds__(3 * 128, 1)
                                                            side.bias_view(st, m0, n0))
                    : mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior, blk.mask,
                                                     blk.bias);
-        update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
+        rescale = update_row_stats<BLOCK_N>(sc, m, l, alpha, scale, exp2_fn);
+    };
+    auto apply = [&](int) {  // O's rescale, and P(t) into the A fragments
+        if (rescale) rescale_rows(acc, alpha);
         pack_a<BLOCK_N, T>(p_frag, sc);
     };
-    pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s, issue_pv,
-                                   release, softmax);
+    if constexpr (OVERLAP) {
+        pingpong_tiles_overlapped<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg,
+                                                  issue_s, issue_pv, release, stats, apply);
+    } else {
+        auto softmax = [&](int t) {
+            stats(t);
+            apply(t);
+        };
+        pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s,
+                                       issue_pv, release, softmax);
+    }
 
     store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

@@ -7,6 +7,7 @@
 //               host encodes (cuTensorMapEncodeTiled; cuattn/_tma.py)
 //   produce_tiles  the producer's loop: slot t % STAGES refilled once its consumers release it
 //   pingpong_tiles  a consumer warpgroup's loop over the key tiles (the schedule below)
+//   pingpong_tiles_overlapped  the same with its own products under its softmax too
 #pragma once
 
 #include "sm90/sm90_tiles.cuh"
@@ -80,6 +81,49 @@ __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_
             release(t - 1);
             wgmma_wait<0>();
             softmax(t);
+        }
+        bar_sync(my_turn, 256);
+        issue_pv(tiles - 1);
+        wgmma_commit();
+        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        release(tiles - 1);
+    }
+}
+
+// pingpong_tiles with each warpgroup's own products under its softmax as well: per tile t
+// it issues S(t) and then P V(t - 1), runs the softmax of S(t) (`stats`: scores, row max
+// and sum, P in place) while P V(t - 1) still runs, and once that is done releases slot
+// t - 1 and applies the tile to the accumulators (`apply`: their rescale, P(t) into the A
+// fragments that P V(t - 1) read). FlashAttention-3's intra-warpgroup overlap; the slot
+// is released a softmax later than in pingpong_tiles.
+template <int NUM_WG, int STAGES, typename IssueS, typename IssuePv, typename Release,
+          typename Stats, typename Apply>
+__device__ __forceinline__ void pingpong_tiles_overlapped(
+    int tiles, unsigned full, int my_turn, int next_turn, int wg, const IssueS& issue_s,
+    const IssuePv& issue_pv, const Release& release, const Stats& stats, const Apply& apply) {
+    if (tiles > 0) {
+        mbar_wait(full, 0);
+        bar_sync(my_turn, 256);
+        issue_s(0);
+        wgmma_commit();
+        bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        stats(0);
+        apply(0);
+        for (int t = 1; t < tiles; ++t) {
+            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
+            bar_sync(my_turn, 256);
+            issue_s(t);
+            wgmma_commit();
+            issue_pv(t - 1);
+            wgmma_commit();
+            bar_arrive(next_turn, 256);
+            wgmma_wait<1>();  // S(t) done (groups complete in order)
+            stats(t);
+            wgmma_wait<0>();  // P V(t - 1) done: its slot is free
+            release(t - 1);
+            apply(t);
         }
         bar_sync(my_turn, 256);
         issue_pv(tiles - 1);
