@@ -4,8 +4,7 @@ A forward call's plan (:func:`forward`) is its dispatch choice (``_dispatch``), 
 and its parameter block (``_launch``), kept per call signature, so that a repeated call
 skips validation, dispatch and packing and only writes its pointers
 (:func:`repeated_call`); a decoding call's plan is its split into key chunks and their
-merge, replayed the same way. The backward (:func:`backward`) runs delta, dK/dV and dQ through
-the same :class:`~cuattn._launch.Launch`.
+merge, replayed the same way. The backward is :mod:`cuattn._gpu_backward`.
 """
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from ._checks import (
     check_attention,
     loaded_cupy,
     lse_dtype,
-    sum_to_shape,
 )
 from ._kernels import get_kernel
 from ._launch import (
@@ -38,12 +36,10 @@ from ._params import block_dtype, new_block
 from ._tma import TensorMaps, map_shape
 from .merge import stacked_plan
 
-__all__ = ["forward", "forward_parts", "backward", "repeated_call"]
+__all__ = ["forward", "forward_parts", "repeated_call"]
 
 #: the forward's parameter-block slots (AttnParams), in order: a call writes their pointers
 FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias")
-#: the backward's own slots (AttnBwdParams, after its forward block ``f``)
-BACKWARD_SLOTS = ("dout", "delta", "dq", "dk", "dv")
 
 
 def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
@@ -493,78 +489,3 @@ def _tf32_prep_plan(filename: str, expr: str, src, images, rows: int, cols: int,
 #: Rows of q (and of k) per block of attention_bwd_magnitudes (MAG_ROWS in
 #: cuda/sm90/attention_backward_sm90_3xf16.cu)
 MAGNITUDE_ROWS = 16
-
-
-def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
-    """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (after the
-    magnitudes kernel where the family has one). A gradient of an input that was broadcast
-    over batch axes is computed per batch entry in the accumulator type and summed over
-    those axes (a deterministic CuPy reduction)."""
-    cupy = call.xp
-    acc = lse_dtype(call.dtype)
-    batch = call.batch_shape
-    nbatch = math.prod(batch)
-    inputs = (call.q, call.k, call.v)
-    with call.q.device:
-        if nbatch == 0 or call.seqlen_q == 0 or call.seqlen_k == 0:
-            return tuple(cupy.zeros(x.shape, call.dtype) for x in inputs)
-        # a gradient the kernels can write in place has no broadcast batch axis
-        direct = [math.prod(x.shape[:-2]) == nbatch for x in inputs]
-        direct[1] = direct[2] = direct[1] and direct[2]  # dK and dV share one kernel
-        kv_dtype = call.dtype if direct[1] else acc
-        q_dtype = call.dtype if direct[0] else acc
-        cc, smem_limit = device_limits(call.q.device.id)
-        choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
-                                            kernel, tiles)
-        targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
-                   for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
-        delta = cupy.empty(call.lse_shape, acc)
-        tensors = _forward_tensors(call, out, lse) + [
-            (dout, broadcast_strides(dout, dout.shape)),
-            (delta, broadcast_strides(delta, delta.shape) + [0]),
-        ] + [(g, broadcast_strides(g, batch + g.shape[-2:])) for g in targets]
-        extents, strides, pointer_sets = layout(batch, tensors)
-        inner = math.prod(extents)
-        # (kernel, shared memory, threads, grid rows, grid column tiles, blocks)
-        rows_q = inner * call.seqlen_q
-        dkdv_rows = -(-call.seqlen_k // choice.dkdv_rows)
-        dkdv_cols = choice.dkdv_roles * -(-max(call.head_dim, call.head_dim_v) // choice.col_tile)
-        dq_rows = -(-call.seqlen_q // choice.dq_rows)
-        dq_cols = -(-call.head_dim // choice.dq_col_tile)
-        launches = [
-            (choice.delta, 0, choice.threads_delta, rows_q, 1,
-             -(-rows_q // (choice.threads_delta // 32))),
-            (choice.dkdv, choice.smem_dkdv, choice.threads_dkdv, dkdv_rows, dkdv_cols,
-             dkdv_rows * dkdv_cols * inner),
-            (choice.dq, choice.smem_dq, choice.threads_dq, dq_rows, dq_cols,
-             dq_rows * dq_cols * inner),
-        ]
-        if choice.magnitudes is not None:
-            # the largest magnitudes of each batch entry's operands (attention_bwd_magnitudes:
-            # MAGNITUDE_ROWS rows per block), zeroed before each pointer set's launches
-            chunks = -(-max(call.seqlen_q, call.seqlen_k) // MAGNITUDE_ROWS)
-            magnitudes = cupy.empty(inner * 5, np.float32)
-            launches.insert(0, (choice.magnitudes, 0, 256, chunks, 1, chunks * inner))
-        kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
-                   for expr, smem, *_ in launches]
-        forward_fields = _attn_fields(call, extents, 0, 0, strides)
-        if choice.magnitudes is not None:
-            forward_fields["magnitudes"] = magnitudes.data.ptr
-        stream = cupy.cuda.get_current_stream().ptr
-        for pointers in pointer_sets:
-            block = new_block("AttnBwdParams", f={**forward_fields,
-                                                  **dict(zip(FORWARD_SLOTS, pointers[:7]))},
-                              **dict(zip(BACKWARD_SLOTS, pointers[7:])),
-                              **stride_fields(BACKWARD_SLOTS, strides[35:]))
-            if choice.magnitudes is not None:
-                magnitudes.fill(0)
-            for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):
-                block["num_row_blocks"], block["num_col_tiles"] = rows, cols
-                Launch(fn, (blocks, 1), threads, smem, block)((), stream)
-        grads = []
-        for x, d, g in zip(inputs, direct, targets):
-            if not d:
-                g = sum_to_shape(g, x.shape).reshape(x.shape).astype(call.dtype, copy=False)
-            grads.append(g)
-    return tuple(grads)
-

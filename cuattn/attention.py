@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cpu, _gpu, _paged, _ragged
+from . import _cpu, _gpu, _gpu_backward, _paged, _ragged
 from ._checks import AttentionCall, check_attention, check_backward
 from ._checks_ragged import check_paged, check_ragged
 
@@ -276,7 +276,7 @@ def _backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, ti
     :func:`_forward`)."""
     if call.xp is np:
         return _cpu.attention_backward(call, dout, out, lse)
-    return _gpu.backward(call, dout, out, lse, kernel, tiles)
+    return _gpu_backward.backward(call, dout, out, lse, kernel, tiles)
 
 
 def _attention_backward(dout, q, k, v, out, lse, *, kernel=None, tiles=None, **kwargs):
