@@ -340,6 +340,8 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
+// Every cp.async copy of this thread, committed or not, has landed.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Round to TF32 in place the 16-byte chunks of a ROWS x COLS float tile (laid out by `at`)
 // that this thread copied itself (for_own_chunks), once they have landed; with SPLIT, the

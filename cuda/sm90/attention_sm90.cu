@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 cp_async_arrive(bar);
             }
         });
+        if (staged) cp_async_wait_all();  // no copy outlives its thread
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
@@ -313,7 +314,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
         product_ra_wide<HEAD_DIM_V, BLOCK_N, T>(acc, p_frag,
                                                 slots + (t % STAGES) * SLOT_BYTES + K_BYTES);
     };
-    auto release = [&](int t) {  // every product on slot t % STAGES is done
+    auto release = [&](int t) {  // every product and read on slot t % STAGES is done
+        if constexpr (SIDE) __syncwarp();  // the warp's reads of the staged tiles, too
         if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
     };
     float alpha[2];
