@@ -18,6 +18,7 @@ from cuattn._dispatch import FAMILIES
 from cuattn._launch import device_limits as _device_limits
 from cuattn.attention import _attention
 from cuattn.families import portable, sm90, sm90_tf32
+from cuattn.families._common import Request
 from cuattn.reference import attention_reference, naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -269,11 +270,9 @@ def _sm90_piped_pair(d, dv, mask=None, bias=None):
     and the per-block tiles with the same 128-row blocks and key tiles (None past 128,
     where the per-block instance stops)."""
     limit = _cp().cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    hd, hdv = -(-d // 64) * 64, -(-dv // 64) * 64
-    cands = next(c for max_d, c, _ in sm90.SM90_PIPED_TILES if max(d, dv) <= max_d)
-    sides = [(mask is not None, 0 if bias is None else bias.dtype.itemsize), (False, 0)]
-    piped = next(t for side in sides for t in cands
-                 if sm90.sm90_piped_smem_bytes(t, hd, hdv, *side) <= limit)
+    req = Request(np.dtype(np.float16), d, dv, None if bias is None else bias.dtype,
+                  mask is not None, True, (9, 0), limit)
+    piped, _, _ = sm90.piped_tiles(req)
     per_block = sm90.Sm90Tiles(128, piped.block_n) if max(d, dv) <= 128 else None
     return piped, per_block
 
@@ -321,7 +320,7 @@ def test_sm90_piped_forward(dtype, feature, shape):
     ((130, 70, 256, 256), sm90.Sm90PipedTiles(64, 2, overlap=True))])
 def test_sm90_piped_overlapped_schedule(feature, shape, tiles):
     """The piped sm90 instance with each warpgroup's softmax under its own previous P V
-    (pingpong_tiles_overlapped): the same operations in the same order as the plain
+    (pingpong_tiles' OVERLAP): the same operations in the same order as the plain
     schedule, so out and lse bit for bit its own, and accurate."""
     cp = _cp()
     sq, sk, d, dv = shape

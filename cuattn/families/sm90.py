@@ -60,7 +60,7 @@ class Sm90PipedTiles:
     taking turns to issue their products) and one producer warpgroup, ``block_n`` keys per
     tile, ``stages`` K/V slots. Needs q, k and v as the copy engine reads them (unit
     column strides, 16-byte aligned starts and strides: Request.aligned). ``overlap``: each
-    consumer's softmax also runs under its own previous P V (pingpong_tiles_overlapped)."""
+    consumer's softmax also runs under its own previous P V (pingpong_tiles' OVERLAP)."""
     block_n: int
     stages: int
     block_m: int = 128
@@ -164,22 +164,13 @@ def forward(req: Request,
     if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD or req.has_mask
                                        or req.bias_dtype is not None):
         return per_block
-    # the table's tiles with the mask and bias tiles staged in each slot, then without
-    # (read from global memory) where none of them fits
-    bias_size = itemsize(req.bias_dtype)
-    side = req.has_mask or bias_size > 0
-    cands = (tiles,) if tiles else next(c for max_d, c, _ in SM90_PIPED_TILES
-                                        if req.head <= max_d)
-    fits = [(t, staged, sm90_piped_smem_bytes(t, hd, hdv, req.has_mask and staged,
-                                              bias_size if staged else 0))
-            for staged in ((True, False) if side else (True,)) for t in cands]
-    fits = [fit for fit in fits if fit[2] <= req.smem_limit]
-    if not fits:
+    fit = piped_tiles(req, tiles)
+    if fit is None:
         if tiles is not None:
             raise NotImplementedError(f"the sm90 piped tiles {tiles} need more than "
                                       f"{req.smem_limit} bytes of shared memory here")
         return per_block
-    piped, staged, smem = fits[0]
+    piped, staged, smem = fit
     expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                      HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages,
                      STAGE_SIDE=staged, OVERLAP=piped.overlap)
@@ -188,6 +179,25 @@ def forward(req: Request,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=piped.num_warps * 32, tma=True, fallback=per_block,
                         tma_from=0 if wide or tiles else PIPED_MIN_KEYS)
+
+
+def piped_tiles(req: Request, tiles: Sm90PipedTiles | None = None):
+    """(tiles, staged, shared memory) of the piped instance for ``req``: the table's first
+    (or the given) tiles that fit with the mask and bias tiles staged in each slot, else the
+    first that fit without them (the softmax reads them from global memory); None where
+    none fits."""
+    hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
+    bias_size = itemsize(req.bias_dtype)
+    cands = (tiles,) if tiles else next(c for max_d, c, _ in SM90_PIPED_TILES
+                                        if req.head <= max_d)
+    side = req.has_mask or bias_size > 0
+    for staged in (True, False) if side else (True,):
+        for t in cands:
+            smem = sm90_piped_smem_bytes(t, hd, hdv, req.has_mask and staged,
+                                         bias_size if staged else 0)
+            if smem <= req.smem_limit:
+                return t, staged, smem
+    return None
 
 
 def _per_block(req: Request, tiles: Sm90Tiles | None, hd: int, hdv: int) -> KernelChoice:

@@ -337,17 +337,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
         if (rescale) rescale_rows(acc, alpha);
         pack_a<BLOCK_N, T>(p_frag, sc);
     };
-    if constexpr (OVERLAP) {
-        pingpong_tiles_overlapped<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg,
-                                                  issue_s, issue_pv, release, stats, apply);
-    } else {
-        auto softmax = [&](int t) {
-            stats(t);
-            apply(t);
-        };
-        pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s,
-                                       issue_pv, release, softmax);
-    }
+    pingpong_tiles<NUM_WG, STAGES, OVERLAP>(tiles, full, turns.mine, turns.next, wg, issue_s,
+                                            issue_pv, release, stats, apply);
 
     store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

@@ -430,8 +430,8 @@ __global__ void __launch_bounds__(NUM_WG * 128 + 128, 1)
         update_row_state<BLOCK_N, DV_TILES>(sc, m, l, acc, scale, exp2_fn);
         tf32_fragments<BLOCK_N>(p_frag, sc);
     };
-    pingpong_tiles<NUM_WG, STAGES>(tiles, full, turns.mine, turns.next, wg, issue_s, issue_pv,
-                                   release, softmax);
+    pingpong_tiles<NUM_WG, STAGES, false>(tiles, full, turns.mine, turns.next, wg, issue_s,
+                                          issue_pv, release, softmax, [](int) {});
 
     store_rows<float, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
 }

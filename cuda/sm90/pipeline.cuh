@@ -7,7 +7,6 @@
 //               host encodes (cuTensorMapEncodeTiled; cuattn/_tma.py)
 //   produce_tiles  the producer's loop: slot t % STAGES refilled once its consumers release it
 //   pingpong_tiles  a consumer warpgroup's loop over the key tiles (the schedule below)
-//   pingpong_tiles_overlapped  the same with its own products under its softmax too
 #pragma once
 
 #include "sm90/sm90_tiles.cuh"
@@ -53,55 +52,20 @@ __device__ __forceinline__ void produce_tiles(int tiles, unsigned full, unsigned
 
 // A consumer warpgroup's turns over the key tiles: S(0); then P V(t - 1) with S(t); then
 // the last P V; it issues in its turn of the ring of named barriers (my_turn, then
-// next_turn granted) and runs each tile's softmax while the others issue. Every wgmma is
-// issued outside a branch (ptxas serializes the ones it finds in divergent paths).
-template <int NUM_WG, int STAGES, typename IssueS, typename IssuePv, typename Release,
-          typename Softmax>
+// next_turn granted) and runs each tile's softmax while the others issue: `stats` (scores,
+// row max and sum, P in place), then `apply` (the accumulators' rescale, P into the A
+// fragments of the next P V). Every wgmma is issued outside a branch (ptxas serializes the
+// ones it finds in divergent paths).
+// OVERLAP: its own products run under its softmax as well (FlashAttention-3's
+// intra-warpgroup overlap): S(t) is issued before P V(t - 1), stats(t) runs once S(t) is
+// done while P V(t - 1) still runs, and slot t - 1 is released, and apply(t) run, once that
+// is done too; the slot is released a softmax later than without.
+template <int NUM_WG, int STAGES, bool OVERLAP, typename IssueS, typename IssuePv,
+          typename Release, typename Stats, typename Apply>
 __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_turn,
                                                int next_turn, int wg, const IssueS& issue_s,
                                                const IssuePv& issue_pv, const Release& release,
-                                               const Softmax& softmax) {
-    if (tiles > 0) {
-        mbar_wait(full, 0);
-        bar_sync(my_turn, 256);
-        issue_s(0);
-        wgmma_commit();
-        bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        softmax(0);
-        for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
-            bar_sync(my_turn, 256);
-            issue_pv(t - 1);
-            wgmma_commit();
-            issue_s(t);
-            wgmma_commit();
-            bar_arrive(next_turn, 256);
-            wgmma_wait<1>();  // P V(t - 1) done: its slot is free
-            release(t - 1);
-            wgmma_wait<0>();
-            softmax(t);
-        }
-        bar_sync(my_turn, 256);
-        issue_pv(tiles - 1);
-        wgmma_commit();
-        if (wg < NUM_WG - 1) bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        release(tiles - 1);
-    }
-}
-
-// pingpong_tiles with each warpgroup's own products under its softmax as well: per tile t
-// it issues S(t) and then P V(t - 1), runs the softmax of S(t) (`stats`: scores, row max
-// and sum, P in place) while P V(t - 1) still runs, and once that is done releases slot
-// t - 1 and applies the tile to the accumulators (`apply`: their rescale, P(t) into the A
-// fragments that P V(t - 1) read). FlashAttention-3's intra-warpgroup overlap; the slot
-// is released a softmax later than in pingpong_tiles.
-template <int NUM_WG, int STAGES, typename IssueS, typename IssuePv, typename Release,
-          typename Stats, typename Apply>
-__device__ __forceinline__ void pingpong_tiles_overlapped(
-    int tiles, unsigned full, int my_turn, int next_turn, int wg, const IssueS& issue_s,
-    const IssuePv& issue_pv, const Release& release, const Stats& stats, const Apply& apply) {
+                                               const Stats& stats, const Apply& apply) {
     if (tiles > 0) {
         mbar_wait(full, 0);
         bar_sync(my_turn, 256);
@@ -114,15 +78,28 @@ __device__ __forceinline__ void pingpong_tiles_overlapped(
         for (int t = 1; t < tiles; ++t) {
             mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
             bar_sync(my_turn, 256);
-            issue_s(t);
-            wgmma_commit();
-            issue_pv(t - 1);
-            wgmma_commit();
+            if constexpr (OVERLAP) {
+                issue_s(t);
+                wgmma_commit();
+                issue_pv(t - 1);
+                wgmma_commit();
+            } else {
+                issue_pv(t - 1);
+                wgmma_commit();
+                issue_s(t);
+                wgmma_commit();
+            }
             bar_arrive(next_turn, 256);
-            wgmma_wait<1>();  // S(t) done (groups complete in order)
-            stats(t);
-            wgmma_wait<0>();  // P V(t - 1) done: its slot is free
-            release(t - 1);
+            wgmma_wait<1>();  // the first group done (groups complete in order)
+            if constexpr (OVERLAP) {
+                stats(t);  // S(t) done, P V(t - 1) still running
+                wgmma_wait<0>();
+                release(t - 1);
+            } else {
+                release(t - 1);  // P V(t - 1) done: its slot is free
+                wgmma_wait<0>();
+                stats(t);
+            }
             apply(t);
         }
         bar_sync(my_turn, 256);
