@@ -132,13 +132,15 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
     num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-    grid = num_m * num_dv * math.prod(extents)
+    units = num_m * num_dv * math.prod(extents)
+    # a persistent instance: a block per SM (one fits), each taking units in turn
+    grid = min(units, sm_count(call.q.data.device_id)) if choice.persistent else units
     fields = _attn_fields(call, extents, num_m, num_dv, strides)
     if maps is None:
         launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
     else:
         launch = Launch(fn, (grid, 1), choice.threads, choice.shared_mem,
-                        new_block("FwdTmaParams", p=fields),
+                        new_block("FwdTmaParams", p=fields, units=units),
                         pointers=tuple(f"p.{slot}" for slot in FORWARD_SLOTS),
                         per_call="p.magnitudes", maps=maps)
     return launch, offset_sets(tensors, pointer_sets)

@@ -129,12 +129,14 @@ def emulate_forward(memory, dtype):
 
     def run(block, pointers, grid):
         f = fields(block)
+        # the call's work units: a block each, or FwdTmaParams.units (a persistent grid)
+        units = int(block["units"]) if "units" in block.dtype.names else grid[0]
         q, k, v, out, lse, mask = pointers[:6]
         sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
         window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
         kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
               "window": None if window == (None, None) else window}
-        for b in range(grid[0] // (f["num_m_blocks"] * f["num_dv_tiles"])):
+        for b in range(units // (f["num_m_blocks"] * f["num_dv_tiles"])):
             def at(ptr, s, shape, dt=dtype, b=b):
                 offset = int(batch_offset(s, b, f)) * dt.itemsize
                 return memory.view(ptr + offset, dt, shape, (s["row"], s["col"])[:len(shape)])

@@ -312,6 +312,54 @@ def test_sm90_piped_forward(dtype, feature, shape):
             assert bool(cp.array_equal(a, b, equal_nan=True))
 
 
+#: the persistent-grid test's features, for its (4, 16) batch: masks and biases staged
+#: (rows 16 bytes apart) or read where they lie (a D256 float32 bias)
+PERSISTENT_FEATURES = {
+    "plain": lambda rng, sq, sk: {},
+    "causal": lambda rng, sq, sk: {"causal": True},
+    "window": lambda rng, sq, sk: {"window": (37, 5)},
+    "mask": lambda rng, sq, sk: {"mask": rng.random((4, 1, sq, sk)) > 0.4},
+    "bias": lambda rng, sq, sk: {"bias": rng.standard_normal((16, sq, sk)).astype(np.float32)},
+    "all": lambda rng, sq, sk: {"causal": True, "softcap": 5.0, "window": (90, 0),
+                                "mask": rng.random((4, 1, sq, sk)) > 0.1,
+                                "bias": rng.standard_normal((1, 16, 1, sk)).astype(np.float32)},
+}
+
+
+@pytest.mark.parametrize("feature", list(PERSISTENT_FEATURES))
+@pytest.mark.parametrize("shape, tiles", [
+    ((600, 352, 64, 64), sm90.Sm90PipedTiles(128, 4, persistent=True)),
+    ((600, 352, 128, 128), sm90.Sm90PipedTiles(128, 2, persistent=True)),
+    ((600, 352, 128, 128), sm90.Sm90PipedTiles(64, 4, overlap=True, persistent=True)),
+    ((300, 200, 256, 256), sm90.Sm90PipedTiles(64, 2, persistent=True))])
+def test_sm90_piped_persistent_grid(feature, shape, tiles):
+    """The piped sm90 instance on a persistent grid (a block per SM taking the work units
+    in turn: 64 entries of 3 to 5 query blocks, several units per block, each unit's Q and
+    key tiles continuing the block's ring of slots): the same operations per unit as a
+    block per unit, so out and lse bit for bit its own, every row written, and accurate."""
+    cp = _cp()
+    sq, sk, d, dv = shape
+    rng = np.random.default_rng(sq + sk + d + 1)
+    kw = PERSISTENT_FEATURES[feature](rng, sq, sk)
+    q = _rand(rng, (4, 16, sq, d), ml_dtypes.bfloat16)
+    k = _rand(rng, (4, 16, sk, d), ml_dtypes.bfloat16)
+    v = _rand(rng, (4, 16, sk, dv), ml_dtypes.bfloat16)
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    side = {n: cp.asarray(x) for n, x in kw.items() if n in ("mask", "bias")}
+    per_unit = dataclasses.replace(tiles, persistent=False)
+    want = _attention(*dev, kernel="sm90", tiles=per_unit, return_lse=True, **{**kw, **side})
+    out = poison(cp.empty((4, 16, sq, dv), dev[0].dtype))
+    got = _attention(*dev, kernel="sm90", tiles=tiles, return_lse=True, out=out,
+                     **{**kw, **side})
+    for a, b in zip(want, got):
+        assert bool(cp.array_equal(a, b, equal_nan=True))
+    sel = (3, 15)
+    one = {n: np.broadcast_to(x, (4, 16) + x.shape[-2:])[sel] if n in side else x
+           for n, x in kw.items()}
+    ref, _ = attention_reference(q[sel], k[sel], v[sel], **one)
+    assert_accurate(to_host(got[0][sel]), ref, naive_attention(q[sel], k[sel], v[sel], **one))
+
+
 @pytest.mark.parametrize("feature", ["plain", "causal", "mask_full", "bias_f32", "all"])
 @pytest.mark.parametrize("shape, tiles", [
     ((203, 203, 64, 64), sm90.Sm90PipedTiles(128, 4, overlap=True)),
@@ -366,11 +414,12 @@ def test_sm90_piped_plans_follow_new_addresses_and_loop():
     assert_accurate(to_host(got), ref, naive_attention(*(to_host(x) for x in (q, k, v))))
 
 
-#: the banded-grid test's variants: every family with its table's tiles, and the piped
-#: instance forced at its short sequences
+#: the banded-grid test's variants: every family with its table's tiles, the piped
+#: sm90_tf32 instance forced at its short sequences, and the persistent piped sm90 one
 BANDED_VARIANTS = [(f, None) for f in FAMILY_NAMES] + [
     ("sm90_tf32", dataclasses.replace(sm90.Sm90Tiles(128, 64), prepare_from=1,
-                                      piped=sm90_tf32.PipedTiles(192, 64, 2)))]
+                                      piped=sm90_tf32.PipedTiles(192, 64, 2))),
+    ("sm90", sm90.Sm90PipedTiles(128, 4, persistent=True))]
 
 
 @pytest.mark.parametrize("band", [{"causal": True}, {"window": (100, 30)}])

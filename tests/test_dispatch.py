@@ -131,14 +131,14 @@ def test_sm90_3xf16_forward_instances_and_shared_memory():
 def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
     """Aligned 16-bit inputs take the piped kernel (tensor maps, a producer warpgroup and
     two consumer warpgroups of 64 rows): Q of both, `stages` slots of a K and a V tile, and
-    the barriers (Q's, and each slot's full and empty); its fallback is the per-block
-    instance, and unaligned inputs take that one."""
+    the barriers (Q's full, each slot's full and empty, Q's empty); its fallback is the
+    per-block instance, and unaligned inputs take that one."""
     d128 = forward(BF16, 100)
     assert d128.tma and d128.family == "sm90" and d128.threads == 384
     assert d128.name_expression == (
         "attention_fwd_sm90_piped<__nv_bfloat16, cuattn::NoBias, false, 128, 128, 128, 2>")
     assert d128.tiles.block_m == 128 and d128.tiles.block_n == 128
-    assert d128.shared_mem == 2 * (128 * 128 + 2 * 128 * 256) + 8 + 16 * 2
+    assert d128.shared_mem == 2 * (128 * 128 + 2 * 128 * 256) + 8 + 16 * 2 + 8
     assert d128.fallback.name_expression.startswith("attention_fwd_sm90<")
     assert d128.tma_from == sm90.PIPED_MIN_KEYS and forward(BF16, 256).tma_from == 0
     # to head dim 64, or with a mask or bias, the per-block instance unless tiles force it
@@ -151,12 +151,13 @@ def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
                           sm90.Sm90PipedTiles(64, 2))
     assert staged.name_expression == (
         "attention_fwd_sm90_piped<__half, float, true, 64, 64, 64, 2>")
-    assert staged.shared_mem == 2 * (128 * 64 + 2 * 64 * 128) + 2 * 128 * (80 + 272) + 8 + 16 * 2
+    assert staged.shared_mem == (2 * (128 * 64 + 2 * 64 * 128) + 2 * 128 * (80 + 272) + 8
+                                 + 16 * 2 + 8)
     # where the staged tiles do not fit, the softmax reads them from global memory
     d64 = sm90.forward(hopper(F16, 64, mask=True, bias=np.float32), sm90.Sm90PipedTiles(128, 4))
     assert d64.name_expression == (
         "attention_fwd_sm90_piped<__half, float, true, 64, 64, 128, 4, false>")
-    assert d64.shared_mem == 2 * (128 * 64 + 4 * 128 * 128) + 8 + 16 * 4
+    assert d64.shared_mem == 2 * (128 * 64 + 4 * 128 * 128) + 8 + 16 * 4 + 8
     wide = sm90.forward(hopper(F16, 256, bias=np.float32))
     assert wide.tma and wide.name_expression.endswith("256, 256, 64, 2, false>")
     assert sm90.forward(hopper(F16, 256, mask=True)).name_expression.endswith(
@@ -653,3 +654,41 @@ def test_piped_plan_encodes_tensor_maps_on_host_memory(monkeypatch):
     host, dev = inputs(sk=2100)
     assert run(host, dev) == [
         "attention_fwd_sm90<__half, cuattn::NoBias, false, 128, 128, 64, 1, 2, true, 1>"]
+
+
+def test_persistent_piped_plan_takes_a_block_per_sm(monkeypatch):
+    """Persistent piped tiles name the PERSISTENT instance, which launches a block per SM
+    (8 in the stand-in) at most and reads the call's work units (128-row query blocks x
+    batch entries) from its parameter block; the result equals the reference, as the
+    per-unit grid's does."""
+    from _accuracy import assert_accurate
+    from _hostdev import Memory, emulate_forward, fake_gpu
+
+    from cuattn.attention import _attention
+    from cuattn.reference import attention_reference, naive_attention
+
+    arrays, launches, seen = [], [], []
+    forward = emulate_forward(Memory(arrays), np.float16)
+
+    def record(block, pointers, grid):
+        seen.append((grid[0], int(block["units"])))
+        forward(block, pointers, grid)
+
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16,
+                      {"attention_fwd_sm90_piped": record})
+    rng = np.random.default_rng(6)
+    host = [rng.standard_normal(shape).astype(np.float16)
+            for shape in ((2, 3, 300, 128), (2, 3, 500, 128), (2, 3, 500, 128))]
+    dev = [x.copy().view(device) for x in host]
+    arrays.extend(dev)
+    want = attention_reference(*host, causal=True)[0]
+    for persistent, grid in ((True, 8), (False, 18)):
+        tiles = sm90.Sm90PipedTiles(128, 2, persistent=persistent)
+        out = _attention(*dev, causal=True, tiles=tiles)
+        assert_accurate(out, want, naive_attention(*host, causal=True))
+        assert seen.pop() == (grid, 3 * 6)  # ceil(300 / 128) query blocks x 6 entries
+        assert launches[-1][0] == ("attention_fwd_sm90_piped<__half, cuattn::NoBias, false, "
+                                   f"128, 128, 128, 2{', true, false, true' * persistent}>")
+    assert sm90.forward(hopper(F16, 64), sm90.Sm90PipedTiles(
+        128, 4, overlap=True, persistent=True)).name_expression.endswith(
+        "64, 64, 128, 4, true, true, true>")

@@ -30,6 +30,8 @@ SHAPES = ((70, 130, 64, 64), (33, 65, 128, 128), (40, 24, 256, 256), (17, 90, 96
 LONG = (2048, 160, 64, 64)
 #: the piped sm90 forward with its mask and bias tiles staged (rows 16-byte multiples)
 PIPED = (130, 144, 192, 192)
+#: the piped sm90 forward on a persistent grid (forced): more work units than SMs
+PERSISTENT = (8600, 144, 128, 128)
 
 
 def _cases(families=None):
@@ -53,7 +55,7 @@ def _cases(families=None):
                     if name == "float32" and direction == "fwd":
                         shapes.append(LONG)
                     if fam.name == "sm90" and direction == "fwd":
-                        shapes.append(PIPED)
+                        shapes += [PIPED, PERSISTENT]
                     for shape in shapes:
                         for features in ("plain", "masked"):
                             out.append((fam.name, direction, name, precision, shape, features))
@@ -110,6 +112,9 @@ def _run_case(family, direction, name, precision, shape, features, rng):
         kw["bias"] = cupy.asarray(rng.standard_normal((sq, sk)).astype(bias_dtype))
         kw["causal"] = True
     if direction == "fwd":
+        if shape == PERSISTENT:
+            from cuattn.families.sm90 import Sm90PipedTiles
+            kw["tiles"] = Sm90PipedTiles(128, 2, persistent=True)
         out, lse = _attention(q, k, v, kernel=family, return_lse=True, **kw)
         results = [out]
     else:

@@ -117,6 +117,9 @@ class KernelChoice:
     #: the fewest keys for which the piped instance is taken over its fallback (a causal or
     #: window band needs twice as many)
     tma_from: int = 0
+    #: a grid of one block per SM at most, each taking the call's work units in turn
+    #: (FwdTmaParams.units)
+    persistent: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
                                    "ALIGNED MIN_BLOCKS")
 FWD_PIPED = Kernel("attention_fwd_sm90_piped",
-                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE OVERLAP",
-                   defaults={"STAGE_SIDE": True, "OVERLAP": False})
+                   "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE OVERLAP "
+                   "PERSISTENT", defaults={"STAGE_SIDE": True, "OVERLAP": False,
+                                           "PERSISTENT": False})
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
                                          "MIN_BLOCKS OVERLAP STATS_AHEAD",
               defaults={"STATS_AHEAD": False})
@@ -60,11 +61,14 @@ class Sm90PipedTiles:
     taking turns to issue their products) and one producer warpgroup, ``block_n`` keys per
     tile, ``stages`` K/V slots. Needs q, k and v as the copy engine reads them (unit
     column strides, 16-byte aligned starts and strides: Request.aligned). ``overlap``: each
-    consumer's softmax also runs under its own previous P V (pingpong_tiles' OVERLAP)."""
+    consumer's softmax also runs under its own previous P V (pingpong_tiles' OVERLAP).
+    ``persistent``: a block per SM takes the call's 128-row work units in turn, loading the
+    next unit's tiles while it stores the last one's rows."""
     block_n: int
     stages: int
     block_m: int = 128
     overlap: bool = False
+    persistent: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -115,7 +119,7 @@ FWD_SMEM = Layout("FwdSm90Smem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int 
 
 #: attention_fwd_sm90_piped: Q of the NUM_WG consumer warpgroups, STAGES slots of a K and a
 #: V tile, each slot's mask and bias tiles (the masks' first), Q's barrier and each slot's
-#: two (full, then empty)
+#: two (full, then empty), and Q's second (empty: the consumers are done with it)
 PIPED_SMEM = Layout("FwdSm90TmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int NUM_WG, "
                     "int BLOCK_N, int STAGES, bool HAS_MASK, int BIAS_SIZE", (
     ("q_s", "T", "NUM_WG * 64 * HEAD_DIM"),
@@ -124,6 +128,7 @@ PIPED_SMEM = Layout("FwdSm90TmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V,
     ("q_full", "unsigned char", "8"),
     ("full", "unsigned char", "8 * STAGES"),
     ("empty", "unsigned char", "8 * STAGES"),
+    ("q_empty", "unsigned char", "8"),
 ))
 
 
@@ -173,12 +178,13 @@ def forward(req: Request,
     piped, staged, smem = fit
     expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                      HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages,
-                     STAGE_SIDE=staged, OVERLAP=piped.overlap)
+                     STAGE_SIDE=staged, OVERLAP=piped.overlap, PERSISTENT=piped.persistent)
     # past 128, dispatch gives the fallback: the next family's instance
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=piped.num_warps * 32, tma=True, fallback=per_block,
-                        tma_from=0 if wide or tiles else PIPED_MIN_KEYS)
+                        tma_from=0 if wide or tiles else PIPED_MIN_KEYS,
+                        persistent=piped.persistent)
 
 
 def piped_tiles(req: Request, tiles: Sm90PipedTiles | None = None):

@@ -207,27 +207,29 @@ __device__ __forceinline__ long long batch_offset(const Strides& s, long long b,
     return (b01 / batch1) * s.b0 + (b01 % batch1) * s.b1 + b2 * s.b2;
 }
 
-// Which (row block, column tile, batch entry) this thread block computes, for a grid of
-// num_row_blocks x num_col_tiles x batch blocks. rank 0 is the costliest row block under a
+// Which (row block, column tile, batch entry) work unit idx computes, of `units` =
+// num_row_blocks x num_col_tiles x batch (block_coords: this thread block's, one unit per block
+// of the grid; a persistent block takes several). rank 0 is the costliest row block under a
 // causal band: heavy_last says it is the last one (query blocks, bottom-right aligned) rather
-// than the first (key blocks). Without a band every block costs the same and the row blocks
-// of one batch entry run side by side, sharing K and V in L2. With a band (banded: causal or
-// window) the entries are taken in groups of BAND_GROUP_BLOCKS blocks (at least one entry),
-// and within a group the row blocks are dealt by cost across its entries, costliest first:
-// the last wave holds only cheap blocks instead of a late heavy one, and the blocks in
-// flight read the K and V of one or two groups, not of every entry (L2).
+// than the first (key blocks). Without a band every block costs the same and the row blocks of
+// one batch entry run side by side, sharing K and V in L2. With a band (banded: causal or
+// window) the entries are taken in groups of BAND_GROUP_BLOCKS blocks (at least one entry), and
+// within a group the row blocks are dealt by cost across its entries, costliest first: the last
+// wave holds only cheap blocks instead of a late heavy one, and the blocks in flight read the K
+// and V of one or two groups, not of every entry (L2).
 constexpr long long BAND_GROUP_BLOCKS = 1024;
 struct BlockCoords {
     long long row_block, col_tile, b;
 };
-__device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
-                                                    long long num_col_tiles, bool banded,
-                                                    bool heavy_last) {
+__device__ __forceinline__ BlockCoords block_coords_at(unsigned idx, unsigned units,
+                                                       long long num_row_blocks,
+                                                       long long num_col_tiles, bool banded,
+                                                       bool heavy_last) {
     // 32-bit: a grid has fewer than 2^31 blocks (and 64-bit divisions cost registers)
-    const unsigned idx = blockIdx.x, rows = (unsigned)num_row_blocks;
+    const unsigned rows = (unsigned)num_row_blocks;
     unsigned rank, rest;
     if (banded) {
-        const unsigned entries = gridDim.x / rows;  // column tiles x batch
+        const unsigned entries = units / rows;  // column tiles x batch
         const unsigned group = max(1u, (unsigned)BAND_GROUP_BLOCKS / rows);
         const unsigned first = idx / (group * rows) * group;  // of idx's group
         const unsigned in_group = min(group, entries - first);
@@ -242,6 +244,12 @@ __device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
     return {heavy_last ? num_row_blocks - 1 - rank : (long long)rank, (long long)(rest % cols),
             (long long)(rest / cols)};
 }
+__device__ __forceinline__ BlockCoords block_coords(long long num_row_blocks,
+                                                    long long num_col_tiles, bool banded,
+                                                    bool heavy_last) {
+    return block_coords_at(blockIdx.x, gridDim.x, num_row_blocks, num_col_tiles, banded,
+                           heavy_last);
+}
 
 // A tensor-core forward block's work and its batch entry's arrays: the row block (heaviest
 // query blocks first, block_coords; one Dv tile), its first row m0, and q (at row m0), k,
@@ -253,11 +261,13 @@ struct ForwardBlock {
     const unsigned char* mask;
     const BiasT* bias;
 };
+// forward_block_at: the same for work unit idx of `units` (block_coords_at).
 template <typename T, typename BiasT>
-__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
-                                                               int block_m) {
-    const BlockCoords blk = block_coords(p.num_m_blocks, 1,
-                                         p.window_left >= 0 || p.window_right >= 0, true);
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnParams& p,
+                                                                  int block_m, unsigned idx,
+                                                                  unsigned units) {
+    const BlockCoords blk = block_coords_at(idx, units, p.num_m_blocks, 1,
+                                            p.window_left >= 0 || p.window_right >= 0, true);
     const long long b = blk.b, m0 = blk.row_block * block_m;
     return {b,
             m0,
@@ -269,6 +279,11 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams
                          batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr,
             p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
                          batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr};
+}
+template <typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
+                                                               int block_m) {
+    return forward_block_at<T, BiasT>(p, block_m, blockIdx.x, gridDim.x);
 }
 
 // The reach of the causal/window band in whole tiles. key_band: the keys [lo, hi) that query

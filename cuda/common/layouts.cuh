@@ -154,7 +154,8 @@ struct FwdSm90TmaSmem {
         q_full = side_s + (long long)1 * (STAGES * ((HAS_MASK ? ((NUM_WG * 64) * side_pitch_bytes(1, BLOCK_N)) : 0) + ((BIAS_SIZE > 0) ? ((NUM_WG * 64) * side_pitch_bytes(BIAS_SIZE, BLOCK_N)) : 0))),
         full = q_full + (long long)1 * 8,
         empty = full + (long long)1 * (8 * STAGES),
-        BYTES = empty + (long long)1 * (8 * STAGES),
+        q_empty = empty + (long long)1 * (8 * STAGES),
+        BYTES = q_empty + (long long)1 * 8,
     };
 };
 

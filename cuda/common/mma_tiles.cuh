@@ -297,11 +297,13 @@ struct SideTiles {
     template <typename E> static __device__ bool stages(const Strides& s) {
         return s.col == 1 && s.row * (long long)sizeof(E) % 16 == 0;
     }
+    static __device__ bool staged_for(const AttnParams& p) {  // `staged`, of every block
+        return (!HAS_MASK || stages<unsigned char>(p.mask_s)) &&
+               (!HAS_BIAS || stages<BiasT>(p.bias_s));
+    }
     __device__ SideTiles(unsigned char* smem, const unsigned char* mask, const BiasT* bias,
                          const AttnParams& p)
-        : smem(smem), mask(mask), bias(bias), p(p),
-          staged((!HAS_MASK || stages<unsigned char>(p.mask_s)) &&
-                 (!HAS_BIAS || stages<BiasT>(p.bias_s))) {}
+        : smem(smem), mask(mask), bias(bias), p(p), staged(staged_for(p)) {}
 
     // the tiles of queries q0 .. and keys k0 .. into stage st, when staged (cp.async by
     // THREADS threads, this one as `tid`, the block's threads by default; the caller commits

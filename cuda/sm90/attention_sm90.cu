@@ -177,10 +177,12 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS) attention_fwd_sm90(c
 
 // The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
 // (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
-// extent 1; boxes of 64 columns x 64 rows for q, x BLOCK_N rows for k and v).
-// cuattn/_params.py reads it from here.
+// extent 1; boxes of 64 columns x 64 rows for q, x BLOCK_N rows for k and v), and the
+// call's work units (query blocks x batch entries: the grid of a block per unit; a
+// persistent grid takes them in turn). cuattn/_params.py reads it from here.
 struct FwdTmaParams {
     AttnParams p;
+    long long units;
     TensorMap q_map, k_map, v_map;
 };
 
@@ -200,7 +202,7 @@ struct BatchCoords {
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int STAGES, bool STAGE_SIDE = true, bool OVERLAP = false>
+          int STAGES, bool STAGE_SIDE = true, bool OVERLAP = false, bool PERSISTENT = false>
 __global__ void __launch_bounds__(3 * 128, 1)
     attention_fwd_sm90_piped(const __grid_constant__ FwdTmaParams w) {
     constexpr int NUM_WG = 2, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -224,28 +226,38 @@ __global__ void __launch_bounds__(3 * 128, 1)
     using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES, HAS_MASK && SIDE,
                              SIDE ? (int)Side::BIAS_SIZE : 0>;
     static_assert(L::side_s - L::slots == (long long)STAGES * SLOT_BYTES, "a slot's bytes");
-    static_assert(L::full - L::q_full == 8 && L::empty - L::full == 8 * STAGES, "barriers");
+    static_assert(L::full - L::q_full == 8 && L::empty - L::full == 8 * STAGES &&
+                      L::q_empty - L::empty == 8 * STAGES, "barriers");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned q_s = smem_addr(smem_raw + L::q_s),  // [NUM_WG][64 x HEAD_DIM]
                    slots = smem_addr(smem_raw + L::slots),  // [STAGES][K, V tiles]
                    q_full = smem_addr(smem_raw + L::q_full),
                    full = smem_addr(smem_raw + L::full),  // [STAGES] barriers each
-                   empty = smem_addr(smem_raw + L::empty);
+                   empty = smem_addr(smem_raw + L::empty),
+                   q_empty = smem_addr(smem_raw + L::q_empty);  // PERSISTENT: Q read
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-    const ForwardBlock<T, BiasT> blk = forward_block<T, BiasT>(p, BLOCK_M);
-    const long long b = blk.b, m0 = blk.m0;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
-    const int off = seqlen_k - seqlen_q;
-    const int m_last = min((int)m0 + BLOCK_M, seqlen_q) - 1;
-    const Range keys = key_band(p, m0, m_last, BLOCK_N);
-    const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
-    const int tiles = n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0;
-    const Side side(smem_raw + L::side_s, blk.mask, blk.bias, p);
-    const bool staged = SIDE && side.staged;  // the same for every block of the call
+    // the block's work units: its own (one per block), or every gridDim.x-th from its index
+    // (PERSISTENT), each of 128 query rows of one batch entry. Each unit's key tiles continue
+    // the ring of slots (`ring`: the tiles of the block's earlier units) and its Q takes the
+    // next phase of q_full, refilled once the consumers are done with the last one (q_empty).
+    const unsigned units = PERSISTENT ? (unsigned)w.units : gridDim.x;
+    const bool staged = SIDE && Side::staged_for(p);  // the same for every block of the call
+    struct Unit {
+        ForwardBlock<T, BiasT> blk;
+        int m_last, n_lo, tiles;
+    };
+    auto unit_at = [&](unsigned u) {
+        const ForwardBlock<T, BiasT> blk = forward_block_at<T, BiasT>(p, BLOCK_M, u, units);
+        const int m_last = min((int)blk.m0 + BLOCK_M, (int)p.seqlen_q) - 1;
+        const Range keys = key_band(p, blk.m0, m_last, BLOCK_N);
+        const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
+        return Unit{blk, m_last, n_lo, n_lo < n_hi ? (n_hi - n_lo + BLOCK_N - 1) / BLOCK_N : 0};
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, NUM_WG * 4);  // a lane of each consumer warp
         // a slot is full with the copy engine's bytes, and the staged tiles of every
         // producer thread
         init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged ? 1 + 128 : 1);
@@ -258,87 +270,121 @@ __global__ void __launch_bounds__(3 * 128, 1)
         const int tid = threadIdx.x - NUM_WG * 128;
         const bool copier = tid == 0;  // the lane that issues the bulk tensor copies
         if (!copier && !staged) return;
-        const BatchCoords kb(p.k_s, b, p.batch1, p.batch2), vb(p.v_s, b, p.batch1, p.batch2);
         if (copier) {
-            const BatchCoords qb(p.q_s, b, p.batch1, p.batch2);
             prefetch_tensor_map(&w.q_map);
             prefetch_tensor_map(&w.k_map);
             prefetch_tensor_map(&w.v_map);
-            mbar_expect_tx(q_full, Q_BYTES);
-#pragma unroll
-            for (int r = 0; r < NUM_WG; ++r)
-#pragma unroll
-                for (int g = 0; g < HEAD_DIM / 64; ++g)
-                    tma_load(q_s + (r * Q_ELEMS + g * 64 * 64) * sizeof(T), &w.q_map, 64 * g,
-                             (int)m0 + 64 * r, qb.c2, qb.c1, qb.c0, q_full);
         }
-        produce_tiles<STAGES>(tiles, full, empty, [&](int t, int s, unsigned bar) {
-            const int n0 = n_lo + t * BLOCK_N;
+        // one work unit (the n-th of the block, after `ring` tiles); returns its tiles
+        auto produce = [&](unsigned u, int n, int ring) {
+            const Unit un = unit_at(u);
+            const long long b = un.blk.b, m0 = un.blk.m0;
+            const BatchCoords kb(p.k_s, b, p.batch1, p.batch2), vb(p.v_s, b, p.batch1, p.batch2);
             if (copier) {
-                mbar_expect_tx(bar, SLOT_BYTES);
-                const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
+                const BatchCoords qb(p.q_s, b, p.batch1, p.batch2);
+                if (PERSISTENT && n > 0) mbar_wait(q_empty, (n - 1) & 1);
+                mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-                for (int g = 0; g < HEAD_DIM / 64; ++g)
-                    tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, n0, kb.c2, kb.c1,
-                             kb.c0, bar);
+                for (int r = 0; r < NUM_WG; ++r)
 #pragma unroll
-                for (int g = 0; g < HEAD_DIM_V / 64; ++g)
-                    tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, n0, vb.c2, vb.c1,
-                             vb.c0, bar);
+                    for (int g = 0; g < HEAD_DIM / 64; ++g)
+                        tma_load(q_s + (r * Q_ELEMS + g * 64 * 64) * sizeof(T), &w.q_map,
+                                 64 * g, (int)m0 + 64 * r, qb.c2, qb.c1, qb.c0, q_full);
             }
-            if (staged) {
-                side.request(s, m0, n0, tid);
-                cp_async_arrive(bar);
-            }
-        });
+            const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
+            produce_tiles<STAGES>(un.tiles, full, empty, [&](int t, int s, unsigned bar) {
+                const int n0 = un.n_lo + t * BLOCK_N;
+                if (copier) {
+                    mbar_expect_tx(bar, SLOT_BYTES);
+                    const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
+#pragma unroll
+                    for (int g = 0; g < HEAD_DIM / 64; ++g)
+                        tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, n0, kb.c2, kb.c1,
+                                 kb.c0, bar);
+#pragma unroll
+                    for (int g = 0; g < HEAD_DIM_V / 64; ++g)
+                        tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, n0, vb.c2, vb.c1,
+                                 vb.c0, bar);
+                }
+                if (staged) {
+                    side.request(s, m0, n0, tid);
+                    cp_async_arrive(bar);
+                }
+            }, ring);
+            return un.tiles;
+        };
+        if constexpr (PERSISTENT) {
+            int ring = 0, n = 0;
+            for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) ring += produce(u, n, ring);
+        } else {
+            produce(blockIdx.x, 0, 0);
+        }
         if (staged) cp_async_wait_all();  // no copy outlives its thread
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
 
     float acc[DV_TILES][4], m[2], l[2];
-    clear_row_state(acc, m, l);
     const SoftmaxExp2<float> exp2_fn(lane);
     const unsigned q_base = q_s + wg * Q_ELEMS * sizeof(T);
-    const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
-    const Turns turns(wg, NUM_WG, tiles);                  // ping-pong (pipeline.cuh)
-    mbar_wait(q_full, 0);
-
     unsigned p_frag[BLOCK_N / 16][4];  // P of the previous tile (the A operand of its P V)
     float sc[BLOCK_N / 8][4];
-    auto issue_s = [&](int t) {
-        wgmma_fence();
-        product_ss<BLOCK_N, HEAD_DIM, T>(sc, q_base, slots + (t % STAGES) * SLOT_BYTES);
-    };
-    auto issue_pv = [&](int t) {  // O += P(t) V(t)
-        product_ra_wide<HEAD_DIM_V, BLOCK_N, T>(acc, p_frag,
-                                                slots + (t % STAGES) * SLOT_BYTES + K_BYTES);
-    };
-    auto release = [&](int t) {  // every product and read on slot t % STAGES is done
-        if constexpr (SIDE) __syncwarp();  // the warp's reads of the staged tiles, too
-        if (lane == 0) mbar_arrive(empty + 8 * (t % STAGES));
-    };
     float alpha[2];
     bool rescale = false;
-    auto stats = [&](int t) {  // of S(t): scores, row max and sum, P(t) in place (sc)
-        const int n0 = n_lo + t * BLOCK_N;
-        const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
-                                               p, m0, m_last, n0, seqlen_q, seqlen_k, off);
-        const int st = t % STAGES;
-        const float scale =
-            staged ? mask_scores<BLOCK_N, HAS_MASK, BiasT>(sc, p, row0, n0, lane, interior,
-                                                           side.mask_view(st, m0, n0),
-                                                           side.bias_view(st, m0, n0))
-                   : mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior, blk.mask,
-                                                    blk.bias);
-        rescale = update_row_stats<BLOCK_N>(sc, m, l, alpha, scale, exp2_fn);
-    };
-    auto apply = [&](int) {  // O's rescale, and P(t) into the A fragments
-        if (rescale) rescale_rows(acc, alpha);
-        pack_a<BLOCK_N, T>(p_frag, sc);
-    };
-    pingpong_tiles<NUM_WG, STAGES, OVERLAP>(tiles, full, turns.mine, turns.next, wg, issue_s,
-                                            issue_pv, release, stats, apply);
+    // one work unit (the n-th of the block, after `ring` tiles); returns its tiles
+    auto consume = [&](unsigned u, int n, int ring) {
+        const Unit un = unit_at(u);
+        const ForwardBlock<T, BiasT>& blk = un.blk;
+        const long long b = blk.b, m0 = blk.m0;
+        const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+        const int off = seqlen_k - seqlen_q, m_last = un.m_last, n_lo = un.n_lo;
+        const Side side(smem_raw + L::side_s, blk.mask, blk.bias, p);
+        const int row0 = (int)m0 + 64 * wg + 16 * (warp % 4);  // first row of this warp's tile
+        const Turns turns(wg, NUM_WG, un.tiles);                // ping-pong (pipeline.cuh)
+        clear_row_state(acc, m, l);
+        mbar_wait(q_full, n & 1);
 
-    store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
+        auto slot = [&](int t) { return slots + ((ring + t) % STAGES) * SLOT_BYTES; };
+        auto issue_s = [&](int t) {
+            wgmma_fence();
+            product_ss<BLOCK_N, HEAD_DIM, T>(sc, q_base, slot(t));
+        };
+        auto issue_pv = [&](int t) {  // O += P(t) V(t)
+            product_ra_wide<HEAD_DIM_V, BLOCK_N, T>(acc, p_frag, slot(t) + K_BYTES);
+        };
+        auto release = [&](int t) {  // every product and read on slot t is done
+            if constexpr (SIDE) __syncwarp();  // the warp's reads of the staged tiles, too
+            if (lane == 0) mbar_arrive(empty + 8 * ((ring + t) % STAGES));
+        };
+        auto stats = [&](int t) {  // of S(t): scores, row max and sum, P(t) in place (sc)
+            const int n0 = n_lo + t * BLOCK_N;
+            const bool interior = !HAS_MASK && forward_tile_interior<BLOCK_M, BLOCK_N>(
+                                                   p, m0, m_last, n0, seqlen_q, seqlen_k, off);
+            const int st = (ring + t) % STAGES;
+            const float scale =
+                staged ? mask_scores<BLOCK_N, HAS_MASK, BiasT>(sc, p, row0, n0, lane, interior,
+                                                               side.mask_view(st, m0, n0),
+                                                               side.bias_view(st, m0, n0))
+                       : mask_scores<BLOCK_N, HAS_MASK>(sc, p, row0, n0, lane, interior,
+                                                        blk.mask, blk.bias);
+            rescale = update_row_stats<BLOCK_N>(sc, m, l, alpha, scale, exp2_fn);
+        };
+        auto apply = [&](int) {  // O's rescale, and P(t) into the A fragments
+            if (rescale) rescale_rows(acc, alpha);
+            pack_a<BLOCK_N, T>(p_frag, sc);
+        };
+        pingpong_tiles<NUM_WG, STAGES, OVERLAP>(un.tiles, full, turns.mine, turns.next, wg,
+                                                issue_s, issue_pv, release, stats, apply, ring);
+        // Q is read by the S products alone, all done: the producer may refill it while
+        // this unit's rows are stored
+        if (PERSISTENT && lane == 0) mbar_arrive(q_empty);
+        store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
+        return un.tiles;
+    };
+    if constexpr (PERSISTENT) {
+        int ring = 0, n = 0;
+        for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) ring += consume(u, n, ring);
+    } else {
+        consume(blockIdx.x, 0, 0);
+    }
 }

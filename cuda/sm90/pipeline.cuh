@@ -37,15 +37,17 @@ __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
                  : "memory");
 }
 
-// The producer's loop over `tiles` key tiles: tile t goes to slot s = t % STAGES once the
-// consumers have released the tile the slot held (its `empty` barrier, STAGES tiles back);
-// fill(t, s, bar) announces the slot's bytes on `bar` (mbar_expect_tx) and issues its copies.
+// The producer's loop over `tiles` key tiles: tile t is the ring's tile g = first + t (first:
+// the tiles of a persistent block's earlier work units) and goes to slot s = g % STAGES once
+// the consumers have released the tile the slot held (its `empty` barrier, STAGES tiles
+// back); fill(t, s, bar) announces the slot's bytes on `bar` (mbar_expect_tx) and issues its
+// copies.
 template <int STAGES, typename Fill>
 __device__ __forceinline__ void produce_tiles(int tiles, unsigned full, unsigned empty,
-                                              const Fill& fill) {
+                                              const Fill& fill, int first = 0) {
     for (int t = 0; t < tiles; ++t) {
-        const int s = t % STAGES;
-        if (t >= STAGES) mbar_wait(empty + 8 * s, (t / STAGES - 1) & 1);
+        const int g = first + t, s = g % STAGES;
+        if (g >= STAGES) mbar_wait(empty + 8 * s, (g / STAGES - 1) & 1);
         fill(t, s, full + 8 * s);
     }
 }
@@ -60,14 +62,20 @@ __device__ __forceinline__ void produce_tiles(int tiles, unsigned full, unsigned
 // intra-warpgroup overlap): S(t) is issued before P V(t - 1), stats(t) runs once S(t) is
 // done while P V(t - 1) still runs, and slot t - 1 is released, and apply(t) run, once that
 // is done too; the slot is released a softmax later than without.
+// Tile t is the ring's tile first + t (produce_tiles); the callbacks take t.
 template <int NUM_WG, int STAGES, bool OVERLAP, typename IssueS, typename IssuePv,
           typename Release, typename Stats, typename Apply>
 __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_turn,
                                                int next_turn, int wg, const IssueS& issue_s,
                                                const IssuePv& issue_pv, const Release& release,
-                                               const Stats& stats, const Apply& apply) {
+                                               const Stats& stats, const Apply& apply,
+                                               int first = 0) {
+    auto wait_full = [&](int t) {
+        const int g = first + t;
+        mbar_wait(full + 8 * (g % STAGES), (g / STAGES) & 1);
+    };
     if (tiles > 0) {
-        mbar_wait(full, 0);
+        wait_full(0);
         bar_sync(my_turn, 256);
         issue_s(0);
         wgmma_commit();
@@ -76,7 +84,7 @@ __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_
         stats(0);
         apply(0);
         for (int t = 1; t < tiles; ++t) {
-            mbar_wait(full + 8 * (t % STAGES), (t / STAGES) & 1);
+            wait_full(t);
             bar_sync(my_turn, 256);
             if constexpr (OVERLAP) {
                 issue_s(t);
@@ -113,7 +121,9 @@ __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_
 
 // The ring's turns: warpgroup w issues after named barrier 1 + w and then grants barrier
 // 1 + (w + 1) % NUM_WG (two warpgroups, 256 threads, per barrier); the last warpgroup grants
-// the first one's first turn. Barrier 0 is __syncthreads'.
+// the first one's first turn. Barrier 0 is __syncthreads'. A persistent block makes one per
+// work unit: every grant of a unit is taken within it (the last warpgroup's last turn grants
+// none), so a barrier never holds two grants.
 struct Turns {
     int mine, next;
     __device__ __forceinline__ Turns(int wg, int num_wg, int tiles)
