@@ -31,7 +31,7 @@ LONG = (2048, 160, 64, 64)
 #: the piped sm90 forward with its mask and bias tiles staged (rows 16-byte multiples)
 PIPED = (130, 144, 192, 192)
 #: the piped sm90 forward on a persistent grid (forced): more work units than SMs
-PERSISTENT = (8600, 144, 128, 128)
+PERSISTENT = (17000, 144, 128, 128)
 
 
 def _cases(families=None):

@@ -280,7 +280,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
             const Unit un = unit_at(u);
             const long long b = un.blk.b, m0 = un.blk.m0;
             const BatchCoords kb(p.k_s, b, p.batch1, p.batch2), vb(p.v_s, b, p.batch1, p.batch2);
-            if (copier) {
+            auto load_q = [&] {
+                if (!copier) return;
                 const BatchCoords qb(p.q_s, b, p.batch1, p.batch2);
                 if (PERSISTENT && n > 0) mbar_wait(q_empty, (n - 1) & 1);
                 mbar_expect_tx(q_full, Q_BYTES);
@@ -290,9 +291,9 @@ __global__ void __launch_bounds__(3 * 128, 1)
                     for (int g = 0; g < HEAD_DIM / 64; ++g)
                         tma_load(q_s + (r * Q_ELEMS + g * 64 * 64) * sizeof(T), &w.q_map,
                                  64 * g, (int)m0 + 64 * r, qb.c2, qb.c1, qb.c0, q_full);
-            }
+            };
             const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
-            produce_tiles<STAGES>(un.tiles, full, empty, [&](int t, int s, unsigned bar) {
+            auto fill = [&](int t, int s, unsigned bar) {
                 const int n0 = un.n_lo + t * BLOCK_N;
                 if (copier) {
                     mbar_expect_tx(bar, SLOT_BYTES);
@@ -310,7 +311,20 @@ __global__ void __launch_bounds__(3 * 128, 1)
                     side.request(s, m0, n0, tid);
                     cp_async_arrive(bar);
                 }
-            }, ring);
+            };
+            if constexpr (PERSISTENT) {
+                // the unit's first tiles while the consumers finish the last unit (their
+                // slots' releases need no Q), then its Q once they are done with the last
+                const int ahead = min(STAGES, un.tiles);
+                produce_tiles<STAGES>(ahead, full, empty, fill, ring);
+                load_q();
+                produce_tiles<STAGES>(un.tiles - ahead, full, empty,
+                                      [&](int t, int s, unsigned bar) { fill(ahead + t, s, bar); },
+                                      ring + ahead);
+            } else {
+                load_q();
+                produce_tiles<STAGES>(un.tiles, full, empty, fill, ring);
+            }
             return un.tiles;
         };
         if constexpr (PERSISTENT) {
