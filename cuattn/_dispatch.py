@@ -140,11 +140,24 @@ def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                      call.precision)
     if choice is not None:
         banded = call.window_left >= 0 or call.window_right >= 0
-        if choice.tma and choice.fallback is not None \
-                and call.seqlen_k < choice.tma_from * (2 if banded else 1):
-            choice = choice.fallback  # too few keys to pay for the piped blocks
+        if choice.tma and choice.fallback is not None and (
+                call.seqlen_k < choice.tma_from * (2 if banded else 1)
+                or (call.mask is not None and not side_staged(call.mask))):
+            # too few keys to pay for the piped blocks, or a mask their producer cannot
+            # stage (its softmax would read it from global memory, far slower)
+            choice = choice.fallback
         return with_prepared_operands(choice, call.seqlen_q, banded)
     raise _no_family("kernel family", call, cc, forced)
+
+
+def side_staged(x) -> bool:
+    """Whether the 16-bit sm90 kernels stage tiles of mask or bias ``x`` by rows
+    (SideTiles::stages, mma_tiles.cuh): unit column stride, and rows 16 bytes apart or one
+    row for every query (an axis of size 1 broadcasts: stride 0)."""
+    shape, strides = (1, 1) + tuple(x.shape), (0, 0) + tuple(x.strides)
+    col = 0 if shape[-1] == 1 else strides[-1]
+    row = 0 if shape[-2] == 1 else strides[-2]
+    return col == x.itemsize and row % 16 == 0
 
 
 def with_prepared_operands(choice: KernelChoice, seqlen_q: int, banded: bool) -> KernelChoice:

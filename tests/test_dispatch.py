@@ -141,9 +141,10 @@ def test_sm90_piped_instance_where_the_copy_engine_reads_the_inputs():
     assert d128.shared_mem == 2 * (128 * 128 + 2 * 128 * 256) + 8 + 16 * 2 + 8
     assert d128.fallback.name_expression.startswith("attention_fwd_sm90<")
     assert d128.tma_from == sm90.PIPED_MIN_KEYS and forward(BF16, 256).tma_from == 0
-    # to head dim 64, or with a mask or bias, the per-block instance unless tiles force it
-    for req in (hopper(F16, 64), hopper(F16, 128, mask=True), hopper(F16, 96, bias=F16)):
+    # to head dim 64, or with a bias, the per-block instance unless tiles force it
+    for req in (hopper(F16, 64), hopper(F16, 96, bias=F16)):
         assert not sm90.forward(req).tma
+    assert sm90.forward(hopper(F16, 128, mask=True)).tma  # where dispatch sees it staged
     assert sm90.forward(hopper(F16, 256, mask=True)).tma
     # a mask and bias staged in each slot: 128 rows of 144 (mask) and 528 bytes (float32
     # bias: 128 keys and a chunk for a misaligned start)
@@ -692,3 +693,27 @@ def test_persistent_piped_plan_takes_a_block_per_sm(monkeypatch):
     assert sm90.forward(hopper(F16, 64), sm90.Sm90PipedTiles(
         128, 4, overlap=True, persistent=True)).name_expression.endswith(
         "64, 64, 128, 4, true, true, true>")
+
+
+def test_piped_instance_takes_a_mask_it_stages():
+    """Past head dim 64, from PIPED_MIN_KEYS keys, a masked call takes the piped instance
+    where its producer stages the mask's tiles: rows 16 bytes apart, or one row for every
+    query. A mask read from global memory (other strides), a bias, or head dim 64 takes the
+    per-block instance."""
+    from _hostdev import on_device
+
+    from cuattn._checks import check_attention
+
+    def choice(head, mask, keys=2048, **kw):  # arrays with the .data.ptr dispatch reads
+        q, k = (on_device(np.zeros((1, 2, n, head), np.float16)) for n in (64, keys))
+        return d.forward_kernel(check_attention(q, k, k, mask=mask, **kw), (9, 0), 232448)
+
+    full = np.ones((1, 1, 64, 2048), bool)
+    assert choice(128, full).tma and not choice(128, full, causal=True).tma  # a band: 4096
+    assert choice(128, np.ones(2048, bool)).tma  # one row for every query
+    assert not choice(128, np.ones((1, 1, 64, 2049), bool)[..., :2048]).tma  # 2049 apart
+    assert not choice(128, np.ones((2048, 64), bool).T).tma  # column stride 64
+    assert not choice(128, np.ones((64, 1), bool)).tma  # one column for every key
+    assert not choice(128, full, bias=np.zeros((64, 2048), np.float16)).tma
+    assert not choice(64, full).tma
+    assert not choice(128, full[..., :1024], keys=1024).tma

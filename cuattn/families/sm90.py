@@ -87,11 +87,12 @@ SM90_PIPED_TILES = (
 #: the largest head dim of the per-block instance (its 64-row warpgroup's registers)
 PER_BLOCK_HEAD = 128
 #: Up to PER_BLOCK_HEAD dispatch takes the piped instance only past head dim 64, without a
-#: mask or bias (as measured with the softmax reading them from global memory) and from
-#: this many keys (a band: twice). H100 float16, 16K tokens, H16 D128,
+#: bias, with a mask only where its tiles are staged (forward_kernel: mask rows 16 bytes
+#: apart) and from this many keys (a band: twice). H100 float16, 16K tokens, H16 D128,
 #: piped / per-block TFLOP/s: S1024 361 / 360, S2048 418 / 410, S4096 431 / 405; causal
-#: S2048 320 / 339, S4096 416 / 392; D128 S4096 mask 109 / 282; D64 H32 S4096 310 / 349
-#: (the per-block 64 x 128 tiles).
+#: S2048 320 / 339, S4096 416 / 392; D64 H32 S4096 310 / 349 (the per-block 64 x 128
+#: tiles). H100 bfloat16 B4 H16 S4096 D128: a staged full mask 304.6 / 279.0, a mask read
+#: from global memory 109 / 282, a staged bfloat16 bias 233.4 / 248.6 (64-key tiles).
 PIPED_MIN_HEAD, PIPED_MIN_KEYS = 64, 2048
 
 #: (largest head dim, candidate tiles in order of preference, reason).
@@ -166,7 +167,7 @@ def forward(req: Request,
         _per_block(req, tiles, hd, hdv)
     if not req.aligned or isinstance(tiles, Sm90Tiles):
         return per_block
-    if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD or req.has_mask
+    if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD
                                        or req.bias_dtype is not None):
         return per_block
     fit = piped_tiles(req, tiles)
