@@ -52,8 +52,8 @@ def _zero_past(xp, v, lengths, paged: Paged):
     keys = v.shape[-2]
     valid = xp.arange(keys) < longest.astype(xp.int64)[:, None]
     valid = valid.reshape((valid.shape[0],) + (1,) * (v.ndim - 3) + (keys, 1))
-    # selected on the bits (all zero is +0 in every float dtype): a bfloat16 where on CuPy
-    # gave rows with every other value 0, the pattern of a float32 result read as bfloat16
+    # selected on the bits (all zero is +0 in every float dtype): CuPy 14.2's where of a
+    # bfloat16 array and a 0-d bfloat16 zero returns float32
     bits = v.view(f"u{v.dtype.itemsize}")
     return xp.where(valid, bits, xp.zeros((), bits.dtype)).view(v.dtype)
 
