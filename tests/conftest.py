@@ -1,6 +1,11 @@
 """GPU tests carry ``@pytest.mark.gpu``: skipped where no GPU is present, and failed
-instead when ``CUATTN_REQUIRE_GPU=1``, so that a GPU run can never be green by skipping."""
+instead when ``CUATTN_REQUIRE_GPU=1``, so that a GPU run can never be green by skipping.
+
+``CUATTN_TEST_SHARD=i/n`` keeps the i-th of n disjoint shards of the selected tests (by a
+hash of each test's id, the same in every process): n runs with i = 0 .. n - 1 run every
+test once, for machines that hold a run for a limited time."""
 import os
+import zlib
 
 import pytest
 
@@ -24,9 +29,29 @@ def pytest_runtest_setup(item):
         pytest.skip("no GPU (set CUATTN_REQUIRE_GPU=1 to make this a failure)")
 
 
+def shard_of(nodeid: str, count: int) -> int:
+    """The shard (0 .. count - 1) of the test ``nodeid``."""
+    return zlib.crc32(nodeid.encode()) % count
+
+
+def _shard(value: str) -> tuple[int, int]:
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise pytest.UsageError(f"CUATTN_TEST_SHARD must be i/n with 0 <= i < n, got {value!r}")
+    return int(index), int(count)
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-    """The NVRTC gate compiles the instances this run selected in one parallel batch."""
+    """With CUATTN_TEST_SHARD=i/n, only the tests of shard i; then the NVRTC gate compiles
+    the instances this run selected in one parallel batch."""
+    value = os.environ.get("CUATTN_TEST_SHARD")
+    if value:
+        index, count = _shard(value)
+        shards = [shard_of(item.nodeid, count) for item in items]
+        config.hook.pytest_deselected(
+            items=[item for item, s in zip(items, shards) if s != index])
+        items[:] = [item for item, s in zip(items, shards) if s == index]
     config.cuattn_gate_selected = tuple(
         item.callspec.params["inst"] for item in items
         if getattr(item, "originalname", None) == "test_instance_compiles")

@@ -10,7 +10,8 @@
 # interrupts the tests after S seconds, so that pytest still prints what ran and failed.
 # WARM_LIST=FILE: compile the instances listed there (a previous run's LOGDIR/instances.jsonl)
 # and record the selection for only WARM_RECORD seconds (default 60); every run writes its
-# list to LOGDIR/instances.jsonl.
+# list to LOGDIR/instances.jsonl. CUATTN_TEST_SHARD=i/n runs the i-th of n shards of the tests
+# (tests/conftest.py), for calls too short for the whole suite.
 set -uo pipefail
 logdir=$1; stage=$2; shift 2
 mkdir -p "$logdir"
