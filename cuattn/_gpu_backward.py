@@ -10,7 +10,7 @@ import numpy as np
 from . import _dispatch
 from ._checks import AttentionCall, lse_dtype, sum_to_shape
 from ._gpu import FORWARD_SLOTS, MAGNITUDE_ROWS, _attn_fields, _forward_tensors
-from ._kernels import get_kernel
+from ._kernels import get_kernels
 from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
 from ._params import new_block
 
@@ -70,8 +70,8 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
             chunks = -(-max(call.seqlen_q, call.seqlen_k) // MAGNITUDE_ROWS)
             magnitudes = cupy.empty(inner * 5, np.float32)
             launches.insert(0, (choice.magnitudes, 0, 256, chunks, 1, chunks * inner))
-        kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
-                   for expr, smem, *_ in launches]
+        # compiled side by side on a first call
+        kernels = get_kernels(choice.filename, [(expr, smem) for expr, smem, *_ in launches])
         forward_fields = _attn_fields(call, extents, 0, 0, strides)
         if choice.magnitudes is not None:
             forward_fields["magnitudes"] = magnitudes.data.ptr

@@ -6,7 +6,8 @@ A kernel instance is one template instantiation of one ``.cu`` file, e.g.
 ``#include "x.cuh"`` headers have been inlined into the text, so that CuPy's on-disk cache
 key (a hash of the source) covers the headers too. Instances are cached per process by
 (device, kernel directory, file, name expression, options) and on disk by CuPy
-(``CUPY_CACHE_DIR``).
+(``CUPY_CACHE_DIR``). :func:`get_kernels` fetches the instances of one call (the
+backward's three kernels), compiling the missing ones side by side.
 
 ``CUATTN_KERNEL_DIR`` points the loader at another copy of the sources, for kernel
 experiments; it is read at every call, so a test or a notebook can switch folders.
@@ -17,15 +18,17 @@ import functools
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "KernelCompileError",
-           "c_type_name", "require_cupy"]
+__all__ = ["kernel_dir", "read_source", "nvrtc_options", "get_kernel", "get_kernels",
+           "KernelCompileError", "c_type_name", "require_cupy"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _locks
+_locks: dict = {}  # instance key -> its lock: one compile per instance, others side by side
 
 
 class KernelCompileError(RuntimeError):
@@ -143,14 +146,47 @@ def get_kernel(filename: str, name_expression: str, *, shared_mem: int = 0,
     lookup is one dictionary access.
     """
     cupy = require_cupy()
+    return _kernel(cupy, cupy.cuda.runtime.getDevice(), filename, name_expression, shared_mem,
+                   options)
+
+
+def get_kernels(filename: str, instances) -> list:
+    """:func:`get_kernel` for each ``(name_expression, shared_mem)`` of one file on the
+    current device. The instances not compiled yet compile side by side, one thread each
+    (NVRTC runs without the GIL), so a first call waits for its slowest compile rather than
+    for their sum."""
+    cupy = require_cupy()
     device_id = cupy.cuda.runtime.getDevice()
+    instances = list(instances)
+
+    def one(instance):
+        return _kernel(cupy, device_id, filename, *instance)
+
+    if sum(_key(device_id, filename, *i) not in _ready for i in instances) < 2:
+        return [one(i) for i in instances]
+    with ThreadPoolExecutor(max_workers=len(instances)) as pool:
+        return list(pool.map(one, instances))
+
+
+def _key(device_id: int, filename: str, name_expression: str, shared_mem: int = 0,
+         options: tuple[str, ...] | None = None) -> tuple:
     options = nvrtc_options(filename=filename) if options is None else options
-    key = (device_id, kernel_dir(), filename, name_expression, options, shared_mem)
+    return (device_id, kernel_dir(), filename, name_expression, options, shared_mem)
+
+
+def _kernel(cupy, device_id: int, filename: str, name_expression: str, shared_mem: int = 0,
+            options: tuple[str, ...] | None = None):
+    key = _key(device_id, filename, name_expression, shared_mem, options)
     kernel = _ready.get(key)
     if kernel is not None:
         return kernel
-    with _lock:  # one compile per instance even when threads race to the first call
-        kernel = _module(device_id, str(key[1]), filename, name_expression, options)
+    with _lock:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock, cupy.cuda.Device(device_id):  # a thread of get_kernels starts on device 0
+        kernel = _ready.get(key)  # compiled while this thread waited
+        if kernel is not None:
+            return kernel
+        kernel = _module(device_id, str(key[1]), filename, name_expression, key[4])
         if shared_mem > 48 * 1024:
             limit = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
             if shared_mem > limit:
