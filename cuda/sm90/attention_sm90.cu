@@ -312,27 +312,17 @@ __global__ void __launch_bounds__(3 * 128, 1)
                     cp_async_arrive(bar);
                 }
             };
-            if constexpr (PERSISTENT) {
-                // the unit's first tiles while the consumers finish the last unit (their
-                // slots' releases need no Q), then its Q once they are done with the last
-                const int ahead = min(STAGES, un.tiles);
-                produce_tiles<STAGES>(ahead, full, empty, fill, ring);
-                load_q();
-                produce_tiles<STAGES>(un.tiles - ahead, full, empty,
-                                      [&](int t, int s, unsigned bar) { fill(ahead + t, s, bar); },
-                                      ring + ahead);
-            } else {
-                load_q();
-                produce_tiles<STAGES>(un.tiles, full, empty, fill, ring);
-            }
+            // PERSISTENT: the unit's first tiles while the consumers finish the last unit
+            // (their slots' releases need no Q), then its Q once they are done with the last
+            const int ahead = PERSISTENT ? min(STAGES, un.tiles) : 0;
+            produce_tiles<STAGES>(ahead, full, empty, fill, ring);
+            load_q();
+            produce_tiles<STAGES>(un.tiles - ahead, full, empty,
+                                  [&](int t, int s, unsigned bar) { fill(ahead + t, s, bar); },
+                                  ring + ahead);
             return un.tiles;
         };
-        if constexpr (PERSISTENT) {
-            int ring = 0, n = 0;
-            for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) ring += produce(u, n, ring);
-        } else {
-            produce(blockIdx.x, 0, 0);
-        }
+        for_each_unit<PERSISTENT>(units, produce);
         if (staged) cp_async_wait_all();  // no copy outlives its thread
         return;
     }
@@ -395,10 +385,5 @@ __global__ void __launch_bounds__(3 * 128, 1)
         store_rows<T, DV_TILES>(acc, l, m, p, b, row0, lane);  // normalise and store
         return un.tiles;
     };
-    if constexpr (PERSISTENT) {
-        int ring = 0, n = 0;
-        for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) ring += consume(u, n, ring);
-    } else {
-        consume(blockIdx.x, 0, 0);
-    }
+    for_each_unit<PERSISTENT>(units, consume);
 }

@@ -119,6 +119,19 @@ __device__ __forceinline__ void pingpong_tiles(int tiles, unsigned full, int my_
     }
 }
 
+// A block's work units in turn: work(u, n, ring) for its n-th unit u, after the `ring` tiles
+// of its earlier units, returns the unit's tiles. One unit (blockIdx.x) per block, or
+// (PERSISTENT) every gridDim.x-th of `units` from blockIdx.x.
+template <bool PERSISTENT, typename Work>
+__device__ __forceinline__ void for_each_unit(unsigned units, const Work& work) {
+    if constexpr (PERSISTENT) {
+        int ring = 0, n = 0;
+        for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) ring += work(u, n, ring);
+    } else {
+        work(blockIdx.x, 0, 0);
+    }
+}
+
 // The ring's turns: warpgroup w issues after named barrier 1 + w and then grants barrier
 // 1 + (w + 1) % NUM_WG (two warpgroups, 256 threads, per barrier); the last warpgroup grants
 // the first one's first turn. Barrier 0 is __syncthreads'. A persistent block makes one per
