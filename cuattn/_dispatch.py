@@ -129,19 +129,24 @@ def _first_family(families, req: Request, forced: str | None, tiles):
 
 
 def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
-                   kernel: str | None = None, tiles=None) -> KernelChoice:
+                   kernel: str | None = None, tiles=None, packed: bool = False,
+                   keys: int | None = None) -> KernelChoice:
     """The kernel instance that serves a validated forward call on a GPU of capability cc
     with ``smem_limit`` bytes of shared memory per block (after opt-in). ``tiles``
-    overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py)."""
+    overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py). ``packed``: the
+    call's sequences are packed (KernelChoice.packed says whether the instance runs them
+    in one grid), and ``keys`` their typical key count (in place of the call's Sk, the
+    packed total)."""
     forced = _forced_family(kernel, FAMILIES, "is not in this build")
     bias_dtype = None if call.bias is None else call.bias.dtype
     choice = _choose(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                      call.mask is not None, mma_aligned(call), cc, smem_limit, forced, tiles,
-                     call.precision)
+                     call.precision, packed)
     if choice is not None:
         banded = call.window_left >= 0 or call.window_right >= 0
+        keys = call.seqlen_k if keys is None else keys
         if choice.tma and choice.fallback is not None and (
-                call.seqlen_k < choice.tma_from * (2 if banded else 1)
+                keys < choice.tma_from * (2 if banded else 1)
                 or (call.mask is not None and not side_staged(call.mask))):
             # too few keys to pay for the piped blocks, or a mask their producer cannot
             # stage (its softmax would read it from global memory, far slower)
@@ -172,10 +177,10 @@ def with_prepared_operands(choice: KernelChoice, seqlen_q: int, banded: bool) ->
 
 @functools.lru_cache(maxsize=1024)
 def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-            forced, tiles, precision=None) -> KernelChoice | None:
+            forced, tiles, precision=None, packed=False) -> KernelChoice | None:
     """The table lookup proper, cached: a call's choice depends on these values only."""
     req = Request(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-                  precision)
+                  precision, packed=packed)
     return _first_family(FAMILIES, req, forced, tiles)
 
 

@@ -110,12 +110,14 @@ def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int, l
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
 
 
-def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
+def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=None):
     """(launch, offset sets): the dispatch choice and layout of a call as a
     :class:`~cuattn._launch.Launch`; the offset sets are None when the batch axes collapse
     into the kernel's three (one launch), else each launch's offsets from the slots' base
     pointers (:class:`~cuattn._launch.LaunchLoop`). ``prepared``: as for
-    :func:`_forward_tensors`."""
+    :func:`_forward_tensors`. ``packed``: a packed call's (q_offsets, k_offsets) in host
+    memory, for an instance that runs them in one grid (KernelChoice.packed); its table
+    (:func:`packed_table`) is uploaded here and the Launch holds it."""
     tensors = _forward_tensors(call, out, lse, prepared)
     extents, strides, pointer_sets = layout(call.batch_shape, tensors)
     maps = None
@@ -128,14 +130,22 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
                 raise NotImplementedError(
                     f"no tensor maps for {choice.name_expression} ({why}) and no other "
                     f"instance serves the call (a forced family?)")
-            return _forward_plan(call, choice.fallback, out, lse, prepared)
+            return _forward_plan(call, choice.fallback, out, lse, prepared, packed)
     fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-    num_m = -(-call.seqlen_q // choice.tiles.block_m)
     num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-    units = num_m * num_dv * math.prod(extents)
+    table = None
+    if packed is None:
+        num_m = -(-call.seqlen_q // choice.tiles.block_m)
+        units = num_m * num_dv * math.prod(extents)
+    else:
+        table, num_m, units = packed_table(*packed, choice.tiles.block_m,
+                                           num_dv * math.prod(extents))
     # a persistent instance: a block per SM (one fits), each taking units in turn
     grid = min(units, sm_count(call.q.data.device_id)) if choice.persistent else units
     fields = _attn_fields(call, extents, num_m, num_dv, strides)
+    if table is not None:
+        table = call.xp.asarray(table)
+        fields.update(packed=table.data.ptr, num_packed=(table.size - 1) // 5)
     if maps is None:
         launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
     else:
@@ -143,7 +153,60 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None):
                         new_block("FwdTmaParams", p=fields, units=units),
                         pointers=tuple(f"p.{slot}" for slot in FORWARD_SLOTS),
                         per_call="p.magnitudes", maps=maps)
+    if table is not None:
+        launch.table = table  # the packed call's table lives as long as its launch
     return launch, offset_sets(tensors, pointer_sets)
+
+
+def packed_table(q_offsets, k_offsets, block_m: int, per_block: int):
+    """(table, query blocks, work units) of a packed call whose kernel takes ``block_m``
+    query rows per block and ``per_block`` work units per query block (its batch entries
+    and output-column tiles): the int32 table of common.cuh's sequence_unit, a PackedSeq
+    (first query row, first key, query rows, keys) for each sequence with query rows, by
+    key count, longest first (the costliest blocks start first), then the first work unit
+    of each of them and the total (cum)."""
+    q_offsets, k_offsets = np.asarray(q_offsets, np.int64), np.asarray(k_offsets, np.int64)
+    sq, sk = np.diff(q_offsets), np.diff(k_offsets)
+    active = np.flatnonzero(sq > 0)
+    order = active[np.argsort(-sk[active], kind="stable")]
+    blocks = -(-sq[order] // block_m)
+    cum = np.zeros(len(order) + 1, np.int64)
+    np.cumsum(blocks * per_block, out=cum[1:])
+    if cum[-1] >= 2 ** 31:
+        raise ValueError(f"a packed call of {cum[-1]} blocks: a grid holds fewer than 2^31")
+    seqs = np.stack([q_offsets[order], k_offsets[order], sq[order], sk[order]], axis=1)
+    return (np.concatenate([seqs.ravel(), cum]).astype(np.int32), int(blocks.sum()),
+            int(cum[-1]))
+
+
+def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = None,
+                   tiles=None) -> bool:
+    """Run a validated packed CuPy call (``ragged``: its offsets; ``out``, ``lse``: its
+    arrays) in one grid where the family that serves it has a packed instance; False
+    where none does (the caller runs its sequences as dense calls). ``kernel`` and
+    ``tiles`` force a family and its tiles (tests), as for :func:`forward`."""
+    cupy = call.xp
+    device_id = call.q.data.device_id
+    if cupy.cuda.runtime.getDevice() != device_id:
+        with cupy.cuda.Device(device_id):
+            return forward_packed(call, ragged, out, lse, kernel, tiles)
+    q_off, k_off = (x if isinstance(x, np.ndarray) else x.get()
+                    for x in (ragged.q_offsets, ragged.k_offsets))
+    sq, sk = np.diff(q_off), np.diff(k_off)
+    # the key count of a typical unit of work: the piped instance's threshold reads it
+    keys = int((sq * sk).sum() // max(1, int(sq.sum())))
+    cc, smem_limit = device_limits(device_id)
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, packed=True,
+                                      keys=keys)
+    if not choice.packed:
+        return False
+    if call.seqlen_q == 0 or 0 in call.batch_shape:
+        return True
+    launch, loop = _forward_plan(call, choice, out, lse, packed=(q_off, k_off))
+    plan = launch if loop is None else LaunchLoop(launch, loop)
+    plan([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)],
+         cupy.cuda.get_current_stream().ptr)
+    return True
 
 
 def _tensor_maps(call: AttentionCall, choice, extents, strides):

@@ -1,7 +1,9 @@
 """Packed sequences and key lengths, as dense calls.
 
-A packed call is one dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against
-keys ``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
+On the GPU, a packed call whose kernel family has packed instances is one grid over every
+sequence (``_gpu.forward_packed``). Otherwise a packed call is one dense call per sequence:
+rows ``q_offsets[s]:q_offsets[s+1]`` against keys ``k_offsets[s]:k_offsets[s+1]``, written
+into its rows of the output and of the lse.
 A call with ``k_lengths`` is one dense call per run of equal entries of the lengths array
 (neighbours along one batch axis): the batch entries of the run, against their first
 ``k_lengths[b]`` keys. Each dense call is
@@ -130,6 +132,10 @@ def forward(call: AttentionCall, ragged: Ragged):
     xp = call.xp
     out = call.out if call.out is not None else xp.empty(call.out_shape, call.dtype)
     lse = xp.empty(call.lse_shape, lse_dtype(call.dtype))
+    if ragged.k_lengths is None and xp is not np:
+        from ._gpu import forward_packed
+        if forward_packed(call, ragged, out, lse):  # one grid over every sequence
+            return out, lse
     if ragged.k_lengths is None:
         parts = [(_sequence(call, out, rows, keys), lse[..., rows])
                  for rows, keys in _sequences(ragged)]

@@ -119,10 +119,20 @@ def fake_cupy(monkeypatch, emulate, expected_pointers, threads, arrays: list):
     return grids
 
 
+def packed_sequences(memory, f):
+    """The sequences of a packed call's table (AttnParams.packed, common.cuh's
+    sequence_unit): [(first query row, first key, query rows, keys)], and the first work
+    unit of each with the total."""
+    n = int(f["num_packed"])
+    table = memory.view(f["packed"], np.int32, (5 * n + 1,), (1,))
+    return [tuple(int(x) for x in row) for row in table[:4 * n].reshape(n, 4)], table[4 * n:]
+
+
 def emulate_forward(memory, dtype):
-    """A forward kernel (AttnParams) on host memory: per batch entry, q, k, v and the mask
-    read by their strides, ``attention_reference``, out (and lse where its pointer is set)
-    written by theirs. No bias."""
+    """A forward kernel (AttnParams) on host memory: per batch entry (and per packed
+    sequence, AttnParams.packed), q, k, v and the mask read by their strides,
+    ``attention_reference``, out (and lse where its pointer is set) written by theirs. No
+    bias."""
     from cuattn._checks import lse_dtype
     from cuattn.reference import attention_reference
     dtype = np.dtype(dtype)
@@ -136,16 +146,20 @@ def emulate_forward(memory, dtype):
         window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
         kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
               "window": None if window == (None, None) else window}
+        sequences = packed_sequences(memory, f)[0] if f["packed"] else [(0, 0, sq, sk)]
         for b in range(units // (f["num_m_blocks"] * f["num_dv_tiles"])):
-            def at(ptr, s, shape, dt=dtype, b=b):
-                offset = int(batch_offset(s, b, f)) * dt.itemsize
-                return memory.view(ptr + offset, dt, shape, (s["row"], s["col"])[:len(shape)])
-            allowed = at(mask, f["mask_s"], (sq, sk), np.dtype(bool)) if mask else None
-            o, row_lse = attention_reference(at(q, f["q_s"], (sq, d)), at(k, f["k_s"], (sk, d)),
-                                             at(v, f["v_s"], (sk, dv)), mask=allowed, **kw)
-            at(out, f["out_s"], (sq, dv))[...] = o
-            if lse:
-                at(lse, f["lse_s"], (sq,), lse_dtype(dtype))[...] = row_lse
+            for q0, k0, sq, sk in sequences:
+                def at(ptr, s, shape, row0, dt=dtype, b=b):
+                    offset = int(batch_offset(s, b, f) + row0 * s["row"]) * dt.itemsize
+                    return memory.view(ptr + offset, dt, shape,
+                                       (s["row"], s["col"])[:len(shape)])
+                allowed = at(mask, f["mask_s"], (sq, sk), 0, np.dtype(bool)) if mask else None
+                o, row_lse = attention_reference(
+                    at(q, f["q_s"], (sq, d), q0), at(k, f["k_s"], (sk, d), k0),
+                    at(v, f["v_s"], (sk, dv), k0), mask=allowed, **kw)
+                at(out, f["out_s"], (sq, dv), q0)[...] = o
+                if lse:
+                    at(lse, f["lse_s"], (sq,), q0, lse_dtype(dtype))[...] = row_lse
     return run
 
 
@@ -225,8 +239,14 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
 
     streams = []
     Stream.current = Stream()  # the null stream, ptr 1
+    def asarray(x):
+        device = Device(np.shape(x), np.asarray(x).dtype)
+        device[...] = x
+        return device
+
     fake = types.SimpleNamespace(
-        ndarray=Device, empty=Device, copyto=np.copyto, ascontiguousarray=np.ascontiguousarray,
+        ndarray=Device, empty=Device, asarray=asarray, copyto=np.copyto,
+        ascontiguousarray=np.ascontiguousarray,
         lib=np.lib, streams=streams,
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    Stream=Stream, get_current_stream=lambda: Stream.current))

@@ -129,10 +129,11 @@ def test_key_lengths(dtype, window):
 
 @pytest.mark.parametrize("kind", ["packed", "lengths"])
 def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
-    """The GPU path of packed sequences and of key lengths, through a CuPy stand-in on host
-    memory (emulated forward kernel): each dense part writes its rows of out and lse in
-    place; the parts run in turn on the part streams, which wait for the caller's stream,
-    which then waits for each of them; the results are the float64 reference's."""
+    """The GPU path of packed sequences (under a family without packed instances) and of
+    key lengths, through a CuPy stand-in on host memory (emulated forward kernel): each
+    dense part writes its rows of out and lse in place; the parts run in turn on the part
+    streams, which wait for the caller's stream, which then waits for each of them; the
+    results are the float64 reference's."""
     import sys
 
     from _hostdev import fake_gpu
@@ -148,6 +149,7 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
 
     rng = np.random.default_rng(11)
     if kind == "packed":
+        monkeypatch.setenv("CUATTN_KERNEL", "portable")  # no packed instances
         q, k, v, qo, ko = _packed(rng, np.float16, [3, 0, 17, 1, 40, 5], [4, 2, 0, 9, 33, 0])
         args, mask, parts = {"q_offsets": qo, "k_offsets": ko}, packed_mask(qo, ko, (-1, 0)), 5
         given_mask = None
@@ -174,6 +176,57 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
     used = [stream for *_, stream in launches]
     assert len(used) == parts and set(used) <= {s.ptr for s in side}
     assert len(set(used)) == min(parts, _gpu.PART_STREAMS)
+
+
+@pytest.mark.parametrize("d, family", [(64, "sm90"), (128, "sm90"), (256, "sm90"), (80, "mma")])
+def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
+    """A packed call that a family with packed instances serves is one launch over every
+    sequence, through a CuPy stand-in on host memory (emulated forward kernel): its table
+    holds the sequences with query rows, longest key count first, and the first work unit
+    of each (its query blocks x batch entries); the results are the float64 reference's."""
+    from _hostdev import Memory, fake_gpu, fields, packed_sequences
+
+    from cuattn import _gpu
+    if family != "sm90":
+        monkeypatch.setenv("CUATTN_KERNEL", family)
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, BF16)
+    blocks = []
+    real_plan = _gpu._forward_plan
+
+    def plan(*args, **kw):
+        launch, loop = real_plan(*args, **kw)
+        blocks.append((args[1], launch.block, launch.grid))
+        return launch, loop
+    monkeypatch.setattr(_gpu, "_forward_plan", plan)
+
+    def on_device(a):
+        x = device(a.shape, a.dtype)
+        x[...] = a
+        return x
+
+    rng = np.random.default_rng(3)
+    lens_q, lens_k = [3, 0, 130, 1, 70, 9], [4, 2, 0, 2500, 65, 9]
+    q, k, v, qo, ko = _packed(rng, BF16, lens_q, lens_k, heads=4, kv_heads=1, d=d, dv=d)
+    out, lse = cuattn.attention(on_device(q), on_device(k), on_device(v), q_offsets=qo,
+                                k_offsets=ko, causal=True, softcap=5.0, return_lse=True)
+    assert len(launches) == 1 and len(blocks) == 1
+    choice, block, grid = blocks[0]
+    assert choice.packed and choice.family == family and "true>" in choice.name_expression
+    f = fields(block)
+    sequences, cum = packed_sequences(Memory(arrays), f)
+    active = [s for s in range(6) if lens_q[s]]
+    order = sorted(active, key=lambda s: -lens_k[s])  # stable: ties keep their order
+    assert sequences == [(qo[s], ko[s], lens_q[s], lens_k[s]) for s in order]
+    per_entry = [-(-lens_q[s] // choice.tiles.block_m) for s in order]
+    assert list(np.diff(cum)) == [n * 2 * 4 for n in per_entry]  # batch 2 x 4 heads
+    assert cum[0] == 0 and grid[0] == cum[-1] and f["num_m_blocks"] == sum(per_entry)
+    mask = packed_mask(qo, ko, (-1, 0))
+    ref, ref_lse = attention_reference(q, k, v, mask=mask, softcap=5.0)
+    assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask, softcap=5.0))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_equal_neighbouring_lengths_share_a_call():
@@ -283,6 +336,106 @@ def test_gpu_packed_and_key_lengths(dtype):
     with pytest.raises(NotImplementedError, match="device memory"):
         cuattn.attention(dq, dk, dv, q_offsets=cp.asarray(qo), k_offsets=cp.asarray(ko),
                          max_q_len=130, max_k_len=200)
+
+
+def _packed_on_gpu(q, k, v, qo, ko, kernel=None, tiles=None, **kw):
+    """out and lse of a packed call run by cuattn._gpu.forward_packed with a forced family
+    and tiles; asserts that the instance ran it in one grid."""
+    import cupy as cp
+
+    from cuattn import _gpu
+    from cuattn._checks import check_attention, lse_dtype
+    from cuattn._checks_ragged import check_ragged
+    call = check_attention(*(cp.asarray(x) for x in (q, k, v)), return_lse=True, **kw)
+    ragged = check_ragged(call, qo, ko)
+    out = cp.full(call.out_shape, np.nan, call.dtype)
+    lse = cp.full(call.lse_shape, np.nan, lse_dtype(call.dtype))
+    assert _gpu.forward_packed(call, ragged, out, lse, kernel, tiles)
+    return to_host(out), to_host(lse)
+
+
+def _packed_tiles():
+    from cuattn.families.mma import MmaTiles
+    from cuattn.families.sm90 import Sm90PipedTiles, Sm90Tiles
+    return {"sm90 piped 128x2": ("sm90", Sm90PipedTiles(128, 2)),
+            "sm90 piped 64x2": ("sm90", Sm90PipedTiles(64, 2)),
+            "sm90 per-block": ("sm90", Sm90Tiles(64, 64)),
+            "mma": ("mma", MmaTiles(64, 64))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("instance", ["sm90 piped 128x2", "sm90 piped 64x2", "sm90 per-block",
+                                      "mma"])
+@pytest.mark.parametrize("d", [16, 64, 72, 128, 256])
+@pytest.mark.parametrize("window", ["full", "causal", "window"])
+def test_gpu_packed_grid_against_the_reference(instance, d, window):
+    """The packed instances in one grid: empty sequences, sequences without keys, one
+    query row, lengths across tile edges, a broadcast (GQA) key head; each sequence against
+    the float64 reference of its own rows and keys, its band aligned to its own corner."""
+    family, tiles = _packed_tiles()[instance]
+    if d > 128 and instance in ("sm90 per-block", "sm90 piped 128x2"):
+        pytest.skip("the per-block sm90 instance and 128-key piped tiles hold D <= 128")
+    if instance.startswith("sm90 piped") and d % 8:
+        pytest.skip("tensor maps need 16-byte rows")
+    rng = np.random.default_rng(d)
+    lens_q = [3, 0, 130, 1, 70, 129, 64, 200]
+    lens_k = [4, 2, 0, 300, 65, 129, 1, 128]
+    q, k, v, qo, ko = _packed(rng, BF16, lens_q, lens_k, heads=3, kv_heads=1, d=d, dv=d)
+    band = WINDOWS[window]
+    kw = dict(_window_kw(band), softcap=8.0, scale=0.2)
+    out, lse = _packed_on_gpu(q, k, v, qo, ko, family, tiles, **kw)
+    mask = packed_mask(qo, ko, band)
+    ref, ref_lse = attention_reference(q, k, v, mask=mask, softcap=8.0, scale=0.2)
+    assert_accurate(out, ref, naive_attention(q, k, v, mask=mask, softcap=8.0, scale=0.2))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("instance", ["sm90 piped 128x2", "sm90 piped 64x2", "sm90 per-block",
+                                      "mma"])
+def test_gpu_packed_sequences_do_not_read_their_neighbours(instance):
+    """A sequence's last key tile reaches into the next sequence's rows (the piped
+    instance's tensor maps span every sequence): inf and NaN in the next sequence's keys
+    and values leave the sequence's output and lse exact."""
+    family, tiles = _packed_tiles()[instance]
+    rng = np.random.default_rng(7)
+    lens = [100, 37, 250]
+    q, k, v, qo, ko = _packed(rng, BF16, lens, lens, heads=2, d=64, dv=64)
+    k[..., 100:137, :] = np.inf
+    v[..., 100:110, :] = np.nan
+    v[..., 110:137, :] = -np.inf
+    out, lse = _packed_on_gpu(q, k, v, qo, ko, family, tiles, causal=True)
+    keep = np.r_[0:100, 137:387]
+    sub_q, sub_kv = q[..., keep, :], (k[..., keep, :], v[..., keep, :])
+    offsets = np.array([0, 100, 350])
+    mask = packed_mask(offsets, offsets, (-1, 0))
+    ref, ref_lse = attention_reference(sub_q, *sub_kv, mask=mask)
+    assert np.all(np.isfinite(out[..., keep, :]))
+    assert_accurate(out[..., keep, :], ref, naive_attention(sub_q, *sub_kv, mask=mask))
+    np.testing.assert_allclose(lse[..., keep], ref_lse, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_ten_thousand_sequences():
+    """10,000 sequences of 1 to 40 rows, a few long ones, through dispatch's own choice:
+    one grid, every row equal to the reference's of its sequence."""
+    rng = np.random.default_rng(12)
+    lens = rng.integers(0, 41, 10_000)
+    lens[[5, 5000, 9999]] = [1500, 1, 2100]
+    q, k, v, qo, ko = _packed(rng, np.float16, lens, lens, heads=2, d=64, dv=64)
+    import cupy as cp
+    out, lse = cuattn.attention(*(cp.asarray(x) for x in (q, k, v)), q_offsets=qo,
+                                k_offsets=ko, causal=True, return_lse=True)
+    out, lse = to_host(out), to_host(lse)
+    for s in [0, 1, 5, 17, 4999, 5000, 9998, 9999]:
+        rows = slice(qo[s], qo[s + 1])
+        ref, ref_lse = attention_reference(q[..., rows, :], k[..., rows, :], v[..., rows, :],
+                                           causal=True)
+        assert_accurate(out[..., rows, :], ref, naive_attention(
+            q[..., rows, :], k[..., rows, :], v[..., rows, :], causal=True))
+        np.testing.assert_allclose(lse[..., rows], ref_lse, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("window", list(WINDOWS) + ["both"])

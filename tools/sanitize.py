@@ -32,6 +32,11 @@ LONG = (2048, 160, 64, 64)
 PIPED = (130, 144, 192, 192)
 #: the piped sm90 forward on a persistent grid (forced): more work units than SMs
 PERSISTENT = (17000, 144, 128, 128)
+#: the families with packed instances and their packed cases: dispatch's tiles, and the
+#: piped sm90 instance forced
+PACKED_FAMILIES = {"sm90": ("packed", "packed piped"), "mma": ("packed",)}
+#: the packed cases' sequences (query rows, keys): empty ones, one without keys, one row
+PACKED_LENGTHS = ((3, 0, 70, 1, 130), (4, 2, 0, 130, 65))
 
 
 def _cases(families=None):
@@ -59,6 +64,9 @@ def _cases(families=None):
                     for shape in shapes:
                         for features in ("plain", "masked"):
                             out.append((fam.name, direction, name, precision, shape, features))
+                    if fam.name in PACKED_FAMILIES and direction == "fwd":
+                        out += [(fam.name, direction, name, precision, shape, features)
+                                for shape in SHAPES[:3] for features in PACKED_FAMILIES[fam.name]]
     if not families or "decode" in families:  # dispatch's own decode paths, no family forced
         out += [("decode", "fwd", name, None, shape, "plain")
                 for name in ("float16", "bfloat16", "float32", "float64")
@@ -102,6 +110,8 @@ def _run_case(family, direction, name, precision, shape, features, rng):
         cupy.cuda.get_current_stream().synchronize()
         return all(not bool(cupy.isnan(r.astype(cupy.float32)).any()) for r in results)
     sq, sk, d, dv = shape
+    if features.startswith("packed"):
+        return _run_packed(family, dtype, d, features == "packed piped", rng)
     q = cupy.asarray(rng.standard_normal((1, 2, sq, d)).astype(dtype))
     k = cupy.asarray(rng.standard_normal((1, 2, sk, d)).astype(dtype))
     v = cupy.asarray(rng.standard_normal((1, 2, sk, dv)).astype(dtype))
@@ -123,6 +133,29 @@ def _run_case(family, direction, name, precision, shape, features, rng):
         results = list(_attention_backward(dout, q, k, v, out, lse, kernel=family, **kw))
     cupy.cuda.get_current_stream().synchronize()
     return all(not bool(cupy.isnan(r.astype(cupy.float32)).any()) for r in results)
+
+
+def _run_packed(family, dtype, d, piped, rng):
+    """A packed call (PACKED_LENGTHS) in one grid, forced to ``family`` (and to the piped
+    sm90 tiles); whether its rows are free of NaN."""
+    import cupy
+    import numpy as np
+
+    from cuattn import _gpu
+    from cuattn._checks import check_attention, lse_dtype
+    from cuattn._checks_ragged import check_ragged
+    from cuattn.families.sm90 import Sm90PipedTiles
+    qo, ko = (np.concatenate([[0], np.cumsum(n)]) for n in PACKED_LENGTHS)
+    q, k, v = (cupy.asarray(rng.standard_normal((2, int(o[-1]), d)).astype(dtype))
+               for o in (qo, ko, ko))
+    call = check_attention(q, k, v, causal=True, return_lse=True)
+    out = cupy.empty(call.out_shape, call.dtype)
+    lse = cupy.empty(call.lse_shape, lse_dtype(call.dtype))
+    tiles = Sm90PipedTiles(128 if d <= 128 else 64, 2) if piped else None
+    if not _gpu.forward_packed(call, check_ragged(call, qo, ko), out, lse, family, tiles):
+        raise RuntimeError(f"{family} ran the packed call as dense parts")
+    cupy.cuda.get_current_stream().synchronize()
+    return not bool(cupy.isnan(out.astype(cupy.float32)).any())
 
 
 def run_cases(families=None) -> int:

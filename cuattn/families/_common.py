@@ -30,6 +30,9 @@ class Request:
     #: the backward's: the forward's products read TF32 operands (a "tf32" family served
     #: it), so a backward that recomputes the scores rounds its operands the same way
     tf32_forward: bool = False
+    #: a packed call (q_offsets, k_offsets): a family with packed instances returns one
+    #: (KernelChoice.packed); the others their dense instance, run per sequence
+    packed: bool = False
 
     @property
     def head(self) -> int:
@@ -120,6 +123,9 @@ class KernelChoice:
     #: a grid of one block per SM at most, each taking the call's work units in turn
     #: (FwdTmaParams.units)
     persistent: bool = False
+    #: the instance runs a packed call in one grid (AttnParams.packed, sequence_unit in
+    #: common.cuh)
+    packed: bool = False
 
 
 @dataclass(frozen=True)

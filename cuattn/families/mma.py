@@ -22,7 +22,7 @@ FORWARD_FILE = "mma/attention_mma.cu"
 BACKWARD_FILE = "mma/attention_backward_mma.cu"
 
 FWD = Kernel("attention_fwd_mma", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
-                                  "M_TILES ALIGNED MIN_BLOCKS")
+                                  "M_TILES ALIGNED MIN_BLOCKS PACKED", defaults={"PACKED": False})
 DKDV = Kernel("attention_bwd_dkdv_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_M "
                                         "NUM_WARPS ALIGNED MIN_BLOCKS")
 DQ = Kernel("attention_bwd_dq_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_N "
@@ -61,6 +61,13 @@ FWD_SMEM = Layout("FwdMmaSmem", "typename T, int HEAD_DIM, int HEAD_DIM_V, int B
 ))
 
 
+#: a packed call's tiles where they differ from MMA_TILES: its sequence's lengths and rows
+#: take registers that the two row tiles per warp at D128 lack (28 bytes spill there)
+MMA_PACKED_TILES = (
+    (128, (MmaTiles(64, 64),), "D128 packed: one row tile per warp, no spills"),
+)
+
+
 def mma_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
     """Dynamic shared memory of attention_fwd_mma (FWD_SMEM)."""
     return FWD_SMEM.bytes(T=itemsize, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
@@ -69,14 +76,19 @@ def mma_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: in
 
 def forward(req: Request, tiles: MmaTiles | None = None) -> KernelChoice:
     hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
-    tiles, smem = first_fit(candidates(MMA_TILES, req, tiles),
+    table = MMA_TILES
+    if req.packed and tiles is None:
+        table = tuple(next((r for r in MMA_PACKED_TILES if r[0] == row[0]), row)
+                      for row in MMA_TILES)
+    tiles, smem = first_fit(candidates(table, req, tiles),
                             lambda t: mma_smem_bytes(t, hd, hdv), req, "mma")
     expr = FWD(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.num_warps,
-               M_TILES=tiles.m_tiles, ALIGNED=req.aligned, MIN_BLOCKS=tiles.min_blocks)
+               M_TILES=tiles.m_tiles, ALIGNED=req.aligned, MIN_BLOCKS=tiles.min_blocks,
+               PACKED=req.packed)
     return KernelChoice("mma", FORWARD_FILE, expr,
                         BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32)
+                        threads=tiles.num_warps * 32, packed=req.packed)
 
 
 # ---- backward -------------------------------------------------------------------------

@@ -184,6 +184,8 @@ struct AttnParams {
     // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
     // the others), written per call
     long long magnitudes;
+    // a packed call's sequences (PackedSeq, below): device address and count; 0 for a dense call
+    long long packed, num_packed;
 };
 
 // The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
@@ -284,6 +286,55 @@ template <typename T, typename BiasT>
 __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
                                                                int block_m) {
     return forward_block_at<T, BiasT>(p, block_m, blockIdx.x, gridDim.x);
+}
+
+// ---- packed sequences ---------------------------------------------------------------
+// A packed call (q_offsets, k_offsets) is one grid over the work units of every sequence.
+// p.packed holds, in device memory, a PackedSeq for each of the p.num_packed sequences that
+// have query rows (Python orders them by key count, longest first, so that the costliest
+// blocks start first), then int cum[num_packed + 1]: sequence i owns the grid's units
+// cum[i] .. cum[i + 1] - 1 (its query blocks x batch entries, cum[0] = 0). p.seqlen_q and
+// p.seqlen_k are the packed totals (the tensor maps' rows).
+struct PackedSeq {
+    int q_row0, k_row0, seqlen_q, seqlen_k;
+};
+// A block's work unit as a dense call of its own: p with the sequence's lengths and its
+// first rows of q, k, v, out and lse, the unit's index among the sequence's units, and
+// the sequence's first rows (for the tensor maps, which span the packed totals). A dense
+// call (PACKED false) is itself. T: the type of q, k, v and out; AccT: of the lse.
+struct SequenceUnit {
+    AttnParams p;
+    unsigned unit, units;
+    int q_row0, k_row0;
+};
+template <bool PACKED, typename T, typename AccT>
+__device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int block_m,
+                                                      unsigned unit, unsigned units) {
+    if constexpr (!PACKED) {
+        return {p, unit, units, 0, 0};
+    } else {
+        const int n = (int)p.num_packed;
+        const PackedSeq* seqs = reinterpret_cast<const PackedSeq*>(p.packed);
+        const int* cum = reinterpret_cast<const int*>(seqs + n);
+        int lo = 0, hi = n - 1;  // the last sequence whose first unit is at most `unit`
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if ((unsigned)cum[mid] <= unit) lo = mid;
+            else hi = mid - 1;
+        }
+        const PackedSeq s = seqs[lo];
+        SequenceUnit r{p, unit - (unsigned)cum[lo], (unsigned)(cum[lo + 1] - cum[lo]), s.q_row0,
+                       s.k_row0};
+        r.p.seqlen_q = s.seqlen_q;
+        r.p.seqlen_k = s.seqlen_k;
+        r.p.num_m_blocks = (s.seqlen_q + block_m - 1) / block_m;
+        r.p.q += (long long)sizeof(T) * s.q_row0 * p.q_s.row;
+        r.p.k += (long long)sizeof(T) * s.k_row0 * p.k_s.row;
+        r.p.v += (long long)sizeof(T) * s.k_row0 * p.v_s.row;
+        r.p.out += (long long)sizeof(T) * s.q_row0 * p.out_s.row;
+        if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.q_row0 * p.lse_s.row;
+        return r;
+    }
 }
 
 // The reach of the causal/window band in whole tiles. key_band: the keys [lo, hi) that query

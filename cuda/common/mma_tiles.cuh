@@ -135,18 +135,18 @@ template <int PITCH> struct Pitched {  // plain rows of PITCH elements (attentio
 // address plus an immediate when ROW_STEP is a multiple of the layout's row period. A chunk
 // outside the tensor reads nothing (source size 0, from the tile's first address) and is
 // zero-filled.
-// Otherwise synchronous element loads.
+// Otherwise synchronous element loads. `tid`: the thread's index among the THREADS copying.
 template <int ROWS, int COLS, int THREADS, bool ALIGNED, typename T, typename At>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
                                           long long col_stride, long long nrows,
-                                          long long ncols, At at) {
+                                          long long ncols, At at, unsigned tid = threadIdx.x) {
     constexpr int CHUNK = 16 / sizeof(T), CHUNKS = COLS / CHUNK;
     static_assert(COLS % CHUNK == 0, "whole 16-byte chunks per row");
     if constexpr (ALIGNED && THREADS % CHUNKS != 0) {
         // rows of a chunk count that does not divide the block (head dims 96, 192):
         // the chunks taken in flat order, each thread's column changing from step to step
 #pragma unroll 4
-        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
             const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
             const bool ok = r < nrows && c < ncols;
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
@@ -156,7 +156,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
     } else if constexpr (ALIGNED) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
         constexpr bool AFFINE = ROW_STEP % At::ROW_PERIOD == 0;
-        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * CHUNK;
+        const int r0 = tid / CHUNKS, c = tid % CHUNKS * CHUNK;
         // this thread's chunk i lies inside the tensor iff i * ROW_STEP < lim
         const int lim = c < ncols ? static_cast<int>(nrows < ROWS ? nrows : ROWS) - r0 : 0;
         const long long step = ROW_STEP * row_stride;
@@ -174,7 +174,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
         }
     } else {
 #pragma unroll 4
-        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
             const int r = idx / CHUNKS, c = (idx % CHUNKS) * CHUNK;
             T* d = dst + at(r, c);
 #pragma unroll
