@@ -99,6 +99,13 @@ class AttentionCall:
     window_right: int
     precision: str | None
     return_lse: bool
+    #: key lengths that the GPU kernels read (cuattn._ragged, KEY_LENGTHS in common.cuh): a
+    #: CuPy int32 or int64 array broadcastable to the batch shape; batch entry b has keys
+    #: k_lengths[b] - k_lengths_from - (its index along the last batch axis) x
+    #: k_lengths_step of this call's, within 0 .. Sk (a split call's chunks shift them)
+    k_lengths: Any = None
+    k_lengths_from: int = 0
+    k_lengths_step: int = 0
 
     @property
     def dtype(self) -> np.dtype:

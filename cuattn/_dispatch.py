@@ -18,7 +18,7 @@ import numpy as np
 
 from ._checks import AttentionCall
 from .families import mma, mma_wide, portable, sm90, sm90_3xf16, sm90_tf32
-from .families._common import BackwardChoice, KernelChoice, Request
+from .families._common import DENSE, BackwardChoice, KernelChoice, Request
 
 __all__ = ["FAMILIES", "BACKWARD_FAMILIES", "Family", "forward_kernel", "backward_kernels",
            "with_prepared_operands", "mma_aligned"]
@@ -129,19 +129,19 @@ def _first_family(families, req: Request, forced: str | None, tiles):
 
 
 def forward_kernel(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
-                   kernel: str | None = None, tiles=None, packed: bool = False,
+                   kernel: str | None = None, tiles=None, ragged: int = DENSE,
                    keys: int | None = None) -> KernelChoice:
     """The kernel instance that serves a validated forward call on a GPU of capability cc
     with ``smem_limit`` bytes of shared memory per block (after opt-in). ``tiles``
-    overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py). ``packed``: the
-    call's sequences are packed (KernelChoice.packed says whether the instance runs them
-    in one grid), and ``keys`` their typical key count (in place of the call's Sk, the
-    packed total)."""
+    overrides the table's tile sizes (tile sweeps, tools/sweep_tiles.py). ``ragged``: the
+    call's RAGGED mode, PACKED or KEY_LENGTHS (KernelChoice.ragged says whether the
+    instance runs it; else it is a dense instance), and ``keys`` a typical key count in
+    place of the call's Sk (the packed total, or the longest length)."""
     forced = _forced_family(kernel, FAMILIES, "is not in this build")
     bias_dtype = None if call.bias is None else call.bias.dtype
     choice = _choose(call.dtype, call.head_dim, call.head_dim_v, bias_dtype,
                      call.mask is not None, mma_aligned(call), cc, smem_limit, forced, tiles,
-                     call.precision, packed)
+                     call.precision, ragged)
     if choice is not None:
         banded = call.window_left >= 0 or call.window_right >= 0
         keys = call.seqlen_k if keys is None else keys
@@ -177,10 +177,10 @@ def with_prepared_operands(choice: KernelChoice, seqlen_q: int, banded: bool) ->
 
 @functools.lru_cache(maxsize=1024)
 def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-            forced, tiles, precision=None, packed=False) -> KernelChoice | None:
+            forced, tiles, precision=None, ragged=DENSE) -> KernelChoice | None:
     """The table lookup proper, cached: a call's choice depends on these values only."""
     req = Request(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-                  precision, packed=packed)
+                  precision, ragged=ragged)
     return _first_family(FAMILIES, req, forced, tiles)
 
 

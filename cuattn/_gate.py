@@ -185,26 +185,27 @@ def gate_calls(family):
 
 def forward_instances(arch: str):
     """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
-    forced in turn as the tests do (see :func:`gate_calls`), and for a packed call (no mask
-    or bias) too. Fast: without mask and bias, aligned, and dispatch's own pick (not only a
-    forced family's): these must not spill."""
+    forced in turn as the tests do (see :func:`gate_calls`), dense, with packed sequences
+    (no mask or bias) and with key lengths. Fast: without mask and bias, aligned, and
+    dispatch's own pick (not only a forced family's): these must not spill."""
     from ._dispatch import FAMILIES, _choose
+    from .families._common import DENSE, KEY_LENGTHS, PACKED
     from .families.sm90_tf32 import PREPARATIONS
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in FAMILIES:
-        for (dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast), packed in \
-                itertools.product(gate_calls(family), (False, True)):
-            if packed and (has_mask or bias_dtype is not None):
+        for (dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast), ragged in \
+                itertools.product(gate_calls(family), (DENSE, PACKED, KEY_LENGTHS)):
+            if ragged == PACKED and (has_mask or bias_dtype is not None):
                 continue
             choice = _choose(dtype, d, dv, bias_dtype, has_mask, aligned, cc, limit,
-                             family.name, None, precision, packed)
-            if choice is None or packed and not choice.packed:
+                             family.name, None, precision, ragged)
+            if choice is None or choice.ragged != ragged:
                 continue
             # fast where dispatch itself picks it; a family reached only by forcing it
             # (the tests) must compile, and its speed there is not the product's
             fast = fast and choice == _choose(dtype, d, dv, bias_dtype, has_mask, aligned,
-                                              cc, limit, None, None, precision, packed)
+                                              cc, limit, None, None, precision, ragged)
             variants = [choice]
             if choice.fallback is not None:  # the instance taken where a map is refused
                 variants.append(choice.fallback)

@@ -8,6 +8,7 @@ merge, replayed the same way. The backward is :mod:`cuattn._gpu_backward`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -34,26 +35,28 @@ from ._launch import (
 )
 from ._params import block_dtype, new_block
 from ._tma import TensorMaps, map_shape
+from .families._common import DENSE, KEY_LENGTHS, PACKED
 from .merge import stacked_plan
 
 __all__ = ["forward", "forward_parts", "repeated_call"]
 
 #: the forward's parameter-block slots (AttnParams), in order: a call writes their pointers
-FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias")
+FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias", "k_lengths")
 
 
 def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
-    """The arrays of the forward's seven parameter-block slots, in slot order: q, k, v, out,
-    lse, mask, bias (None where absent)."""
-    return call.q, call.k, call.v, out, lse, call.mask, call.bias
+    """The arrays of the forward's eight parameter-block slots, in slot order: q, k, v, out,
+    lse, mask, bias, k_lengths (None where absent)."""
+    return call.q, call.k, call.v, out, lse, call.mask, call.bias, call.k_lengths
 
 
 def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
-    """The forward's seven parameter-block slots: (array, strides over batch + its two last
-    axes), in :func:`_forward_arrays` order. ``prepared``: the (k, v) slots' entries of
-    prepared operands (:func:`_prepared_plan`) in place of call.k and call.v."""
+    """The forward's eight parameter-block slots: (array, strides over batch + its two last
+    axes), in :func:`_forward_arrays` order (key lengths: the batch axes and two of size
+    1). ``prepared``: the (k, v) slots' entries of prepared operands
+    (:func:`_prepared_plan`) in place of call.k and call.v."""
     batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
-    q, k, v, out, lse, mask, bias = _forward_arrays(call, out, lse)
+    q, k, v, out, lse, mask, bias, lengths = _forward_arrays(call, out, lse)
     kv = prepared or [(k, broadcast_strides(k, batch + k.shape[-2:])),
                       (v, broadcast_strides(v, batch + v.shape[-2:]))]
     return [
@@ -63,6 +66,8 @@ def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
         (lse, None if lse is None else broadcast_strides(lse, lse.shape) + [0]),
         (mask, mask is not None and broadcast_strides(mask, batch + sq_sk)),
         (bias, bias is not None and broadcast_strides(bias, batch + sq_sk)),
+        (lengths, lengths is not None and broadcast_strides(lengths[..., None, None],
+                                                            batch + (1, 1))),
     ]
 
 
@@ -70,15 +75,18 @@ def _attn_fields(call: AttentionCall, extents, num_m: int, num_dv: int, strides)
     """The fields of AttnParams other than its pointers and ``magnitudes``, by name:
     ``extents`` and ``strides`` from :func:`~cuattn._launch.layout`, ``num_m`` query blocks
     and ``num_dv`` output-column tiles of the grid."""
+    lengths = call.k_lengths
     return dict(batch1=extents[1], batch2=extents[2], seqlen_q=call.seqlen_q,
                 seqlen_k=call.seqlen_k, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
                 window_left=call.window_left, window_right=call.window_right,
                 num_m_blocks=num_m, num_dv_tiles=num_dv, scale=call.scale,
-                softcap=call.softcap, **stride_fields(FORWARD_SLOTS, strides[:35]))
+                softcap=call.softcap, **stride_fields(FORWARD_SLOTS, strides[:40]),
+                k_lengths_size=0 if lengths is None else lengths.itemsize,
+                k_lengths_from=call.k_lengths_from, k_lengths_step=call.k_lengths_step)
 
 
 def _forward_launch(fn, grid: int, threads: int, shared_mem: int, fields: dict) -> Launch:
-    """A forward kernel's Launch: a call writes its seven pointers (FORWARD_SLOTS) and may
+    """A forward kernel's Launch: a call writes its eight pointers (FORWARD_SLOTS) and may
     write ``magnitudes``."""
     return Launch(fn, (grid, 1), threads, shared_mem, new_block("AttnParams", **fields),
                   pointers=FORWARD_SLOTS, per_call="magnitudes")
@@ -104,7 +112,8 @@ def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int, l
     chunks, and the environment variables that choose a family or the kernel sources."""
     q, k, v = call.q, call.k, call.v
     return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
-            _signature(call.bias), _signature(call.out), _signature(lse), call.scale,
+            _signature(call.bias), _signature(call.out), _signature(lse),
+            _signature(call.k_lengths), call.k_lengths_from, call.k_lengths_step, call.scale,
             call.softcap, call.window_left, call.window_right, call.precision, call.return_lse,
             q.data.ptr % 16, k.data.ptr % 16, v.data.ptr % 16, kernel, tiles, chunks,
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
@@ -196,9 +205,9 @@ def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = N
     # the key count of a typical unit of work: the piped instance's threshold reads it
     keys = int((sq * sk).sum() // max(1, int(sq.sum())))
     cc, smem_limit = device_limits(device_id)
-    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, packed=True,
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, ragged=PACKED,
                                       keys=keys)
-    if not choice.packed:
+    if choice.ragged != PACKED:
         return False
     if call.seqlen_q == 0 or 0 in call.batch_shape:
         return True
@@ -207,6 +216,34 @@ def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = N
     plan([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)],
          cupy.cuda.get_current_stream().ptr)
     return True
+
+
+def forward_lengths(call: AttentionCall, lengths, kernel: str | None = None, tiles=None):
+    """``(out, lse)`` of a validated CuPy call whose batch entries have key lengths
+    (``lengths``: host, broadcast to the batch shape, within 0 .. Sk; or a CuPy integer
+    array broadcastable to it, clipped by the kernels), read by the kernels
+    (KEY_LENGTHS): one dense call, folded and split as any other; None where dispatch's
+    family has no such instance. ``kernel`` and ``tiles`` as for :func:`forward`."""
+    cupy = call.xp
+    device_id = call.q.data.device_id
+    if cupy.cuda.runtime.getDevice() != device_id:
+        with cupy.cuda.Device(device_id):
+            return forward_lengths(call, lengths, kernel, tiles)
+    cc, smem_limit = device_limits(device_id)
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, KEY_LENGTHS)
+    if choice.ragged != KEY_LENGTHS:
+        return None
+    if isinstance(lengths, np.ndarray):
+        # the entries as given (the axes broadcast to the batch shape back to size 1), so
+        # that query groups of one length still fold into rows
+        given = lengths[tuple(slice(None, 1) if st == 0 else slice(None)
+                              for st in lengths.strides)]
+        lengths = cupy.asarray(np.ascontiguousarray(given, np.int32))
+    elif lengths.dtype not in (np.int32, np.int64):  # unsigned or narrow: as int64
+        lengths = lengths.astype(np.int64)
+    call = dataclasses.replace(call, k_lengths=lengths, return_lse=True)
+    split = kernel is None and tiles is None
+    return _run(call, kernel, tiles, split)[:2]
 
 
 def _tensor_maps(call: AttentionCall, choice, extents, strides):
@@ -228,7 +265,7 @@ def _tensor_maps(call: AttentionCall, choice, extents, strides):
 
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):
     """The launch plan of a call's signature in ``chunks`` key chunks (1: no split), kept
-    per signature (:func:`_plan_key`): a callable with the call's seven slot pointers
+    per signature (:func:`_plan_key`): a callable with the call's eight slot pointers
     (FORWARD_SLOTS; 0 for an absent one) and the stream, which runs everything the call
     needs. ``out`` and ``lse``: this call's, for their layout."""
     key = _plan_key(call, device_id, kernel, tiles, chunks, lse)
@@ -239,7 +276,8 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
         plan = _SplitLaunch(call, chunks, device_id, out, lse)
     else:
         cc, smem_limit = device_limits(device_id)
-        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles)
+        ragged = DENSE if call.k_lengths is None else KEY_LENGTHS
+        choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, ragged)
         if choice.prepare:  # operands prepared per call (tile images), then the kernel
             plan = _prepared_plan(call, choice, out, lse)
         else:
@@ -338,7 +376,7 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
                 return None  # the long way names the overlap
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-            *pointers], cupy.cuda.get_current_stream().ptr)
+            *pointers, 0], cupy.cuda.get_current_stream().ptr)
     return (out, lse) if return_lse else out
 
 
@@ -421,21 +459,22 @@ def forward_parts(parts) -> None:
 
 class _SplitLaunch:
     """The plan of a call in key chunks (``cuattn._split``), called as a Launch with the
-    call's seven pointers: new buffers for the partial results (CuPy's pool, on the stream
+    call's eight pointers: new buffers for the partial results (CuPy's pool, on the stream
     of the launches, so reused only after the merge that reads them), the plans of the two
     part calls over offsets of q, k, v and those buffers, then the merge into out and lse
     (a new lse where the call returns none). A mask or bias is read in place, in chunks
-    with the keys."""
+    with the keys; key lengths in place too, each part shifting them to its chunks."""
 
     def __init__(self, call: AttentionCall, n: int, device_id: int, out, lse):
         cupy = call.xp
         outs, lses = _split.buffers(call, n)
         if lse is None:  # the layout of the scratch lse of each call
             lse = cupy.ndarray(call.lse_shape, lses.dtype)
-        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias)
+        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias, call.k_lengths)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):
-            arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias)
+            arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias,
+                      part.k_lengths)
             plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
             self._parts.append((plan, [None if x is None else x.data.ptr - b.data.ptr
                                        for x, b in zip(arrays, bases)]))
@@ -446,11 +485,11 @@ class _SplitLaunch:
     def __call__(self, pointers, stream_ptr: int) -> None:
         outs_shape, dtype, lses_shape, lse_dt, lse_shape = self._shapes
         outs, lses = self._ndarray(outs_shape, dtype), self._ndarray(lses_shape, lse_dt)
-        q, k, v, out, lse, mask, bias = pointers
+        q, k, v, out, lse, mask, bias, lengths = pointers
         if not lse:
             scratch = self._ndarray(lse_shape, lse_dt)
             lse = scratch.data.ptr
-        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias)
+        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias, lengths)
         for plan, offsets in self._parts:
             plan([0 if o is None else b + o for b, o in zip(bases, offsets)], stream_ptr)
         self._merge(out, lse, outs.data.ptr, lses.data.ptr, stream_ptr)
@@ -504,7 +543,7 @@ class _MagnitudesLaunch:
 
 class _PreparedLaunch:
     """The launches of one call signature of a piped instance (:func:`_prepared_plan`),
-    called as a :class:`~cuattn._launch.Launch` with the call's seven pointers: new
+    called as a :class:`~cuattn._launch.Launch` with the call's eight pointers: new
     K and V^T images (from CuPy's pool, on the stream of the launches, so reused only after
     the kernel that reads them), their two preparations (none without keys), the kernel."""
 

@@ -78,9 +78,9 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
         stream = cupy.cuda.get_current_stream().ptr
         for pointers in pointer_sets:
             block = new_block("AttnBwdParams", f={**forward_fields,
-                                                  **dict(zip(FORWARD_SLOTS, pointers[:7]))},
-                              **dict(zip(BACKWARD_SLOTS, pointers[7:])),
-                              **stride_fields(BACKWARD_SLOTS, strides[35:]))
+                                                  **dict(zip(FORWARD_SLOTS, pointers[:8]))},
+                              **dict(zip(BACKWARD_SLOTS, pointers[8:])),
+                              **stride_fields(BACKWARD_SLOTS, strides[40:]))
             if choice.magnitudes is not None:
                 magnitudes.fill(0)
             for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):

@@ -1,7 +1,9 @@
 """Packed sequences and key lengths, as dense calls.
 
 On the GPU, a packed call whose kernel family has packed instances is one grid over every
-sequence (``_gpu.forward_packed``). Otherwise a packed call is one dense call per sequence:
+sequence (``_gpu.forward_packed``), and a call with key lengths whose family has instances
+that read them is one dense call (``_gpu.forward_lengths``). Otherwise a packed call is one
+dense call per sequence:
 rows ``q_offsets[s]:q_offsets[s+1]`` against keys ``k_offsets[s]:k_offsets[s+1]``, written
 into its rows of the output and of the lse.
 A call with ``k_lengths`` is one dense call per run of equal entries of the lengths array
@@ -125,6 +127,11 @@ def as_masked(call: AttentionCall, lengths) -> AttentionCall:
 
 def forward(call: AttentionCall, ragged: Ragged):
     """``(out, lse)`` of a validated call with ``ragged`` metadata."""
+    if ragged.k_lengths is not None and call.xp is not np:
+        from ._gpu import forward_lengths
+        result = forward_lengths(call, ragged.k_lengths)  # the kernels read the lengths
+        if result is not None:
+            return result
     if not ragged.on_host:  # device key lengths
         from .attention import _forward
         return _forward(dataclasses.replace(as_masked(call, ragged.k_lengths),

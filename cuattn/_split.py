@@ -53,8 +53,10 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
     call's: (..., 1, G * Sq, D); so are its results.
     """
     batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
+    lengths = call.k_lengths
     if (not batch or batch[-1] == 1 or sq == 0 or sq >= ROWS_PER_BLOCK
-            or not all(_per_key(x) for x in (call.mask, call.bias))):
+            or not all(_per_key(x) for x in (call.mask, call.bias))
+            or lengths is not None and lengths.ndim and lengths.shape[-1] != 1):
         return None
     if any(x.ndim >= 3 and x.shape[-3] != 1 for x in (call.k, call.v)):
         return None
@@ -124,6 +126,8 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
     earlier key is seen by every row (a mask or bias is cut into chunks with the keys)."""
     if call.window_left >= 0:
         return 1
+    if call.k_lengths is not None and 0 <= call.window_right < call.seqlen_q - 1:
+        return 1  # a band aligned to each key length: the earlier chunks may lie outside it
     blocks = math.prod(call.batch_shape) * -(-call.seqlen_q // ROWS_PER_BLOCK)
     if blocks == 0 or 2 * blocks > sm_count:
         return 1
@@ -163,6 +167,13 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
                  bias=_chunked_cols(call.bias, n - 1, width))
     last = dict(q=call.q, k=call.k[..., head:, :], v=call.v[..., head:, :],
                 mask=_last_cols(call.mask, head), bias=_last_cols(call.bias, head))
+    if call.k_lengths is not None:
+        # each chunk's keys are its entries' lengths less its first key: the chunk axis
+        # (the first part's last batch axis, kernel batch axis 2 where it has more than one
+        # entry) steps them by the chunk width
+        first.update(k_lengths=call.k_lengths[..., None], k_lengths_from=call.k_lengths_from,
+                     k_lengths_step=width if n > 2 else 0)
+        last.update(k_lengths_from=call.k_lengths_from + head)
     return [(_part(call, first, outs[..., :n - 1, :, :], batch + (n - 1,), width, -1),
              lses[..., :n - 1, :]),
             (_part(call, last, outs[..., n - 1, :, :], batch, sk - head, call.window_right),

@@ -130,9 +130,10 @@ def packed_sequences(memory, f):
 
 def emulate_forward(memory, dtype):
     """A forward kernel (AttnParams) on host memory: per batch entry (and per packed
-    sequence, AttnParams.packed), q, k, v and the mask read by their strides,
-    ``attention_reference``, out (and lse where its pointer is set) written by theirs. No
-    bias."""
+    sequence, AttnParams.packed), q, k, v and the mask read by their strides, the first
+    k_lengths[b] - k_lengths_from - (b's index along batch axis 2) x k_lengths_step keys
+    where key lengths are given (within 0 .. Sk), ``attention_reference``, out (and lse
+    where its pointer is set) written by theirs. No bias."""
     from cuattn._checks import lse_dtype
     from cuattn.reference import attention_reference
     dtype = np.dtype(dtype)
@@ -142,24 +143,34 @@ def emulate_forward(memory, dtype):
         # the call's work units: a block each, or FwdTmaParams.units (a persistent grid)
         units = int(block["units"]) if "units" in block.dtype.names else grid[0]
         q, k, v, out, lse, mask = pointers[:6]
+        lengths = pointers[7] if len(pointers) > 7 else 0
         sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
         window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
         kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
               "window": None if window == (None, None) else window}
         sequences = packed_sequences(memory, f)[0] if f["packed"] else [(0, 0, sq, sk)]
         for b in range(units // (f["num_m_blocks"] * f["num_dv_tiles"])):
-            for q0, k0, sq, sk in sequences:
+            keys = None
+            if lengths:
+                dt = np.dtype(np.int64 if f["k_lengths_size"] == 8 else np.int32)
+                n = memory.read(lengths + int(batch_offset(f["k_lengths_s"], b, f)) *
+                                dt.itemsize, dt)
+                n -= f["k_lengths_from"] + b % f["batch2"] * f["k_lengths_step"]
+                keys = int(min(max(n, 0), sk))
+            for q0, k0, rows, cols in sequences:
+                cols = cols if keys is None else keys
                 def at(ptr, s, shape, row0, dt=dtype, b=b):
                     offset = int(batch_offset(s, b, f) + row0 * s["row"]) * dt.itemsize
                     return memory.view(ptr + offset, dt, shape,
                                        (s["row"], s["col"])[:len(shape)])
-                allowed = at(mask, f["mask_s"], (sq, sk), 0, np.dtype(bool)) if mask else None
+                allowed = at(mask, f["mask_s"], (rows, cols), 0, np.dtype(bool)) if mask \
+                    else None
                 o, row_lse = attention_reference(
-                    at(q, f["q_s"], (sq, d), q0), at(k, f["k_s"], (sk, d), k0),
-                    at(v, f["v_s"], (sk, dv), k0), mask=allowed, **kw)
-                at(out, f["out_s"], (sq, dv), q0)[...] = o
+                    at(q, f["q_s"], (rows, d), q0), at(k, f["k_s"], (cols, d), k0),
+                    at(v, f["v_s"], (cols, dv), k0), mask=allowed, **kw)
+                at(out, f["out_s"], (rows, dv), q0)[...] = o
                 if lse:
-                    at(lse, f["lse_s"], (sq,), q0, lse_dtype(dtype))[...] = row_lse
+                    at(lse, f["lse_s"], (rows,), q0, lse_dtype(dtype))[...] = row_lse
     return run
 
 
@@ -184,6 +195,10 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
             x = np.ndarray.__new__(cls, shape, dtype)
             arrays.append(x)
             return x
+
+        def __array_finalize__(self, obj):  # a new array of this kind (astype, say)
+            if obj is not None and self.base is None:
+                arrays.append(self)
 
     forward = emulate_forward(Memory(arrays), dtype)
     emulations = emulations or {}

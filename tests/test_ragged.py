@@ -6,6 +6,7 @@ import pytest
 from _accuracy import assert_accurate, to_host
 
 import cuattn
+from cuattn.families._common import PACKED
 from cuattn.reference import (
     attention_backward_reference,
     attention_reference,
@@ -129,8 +130,9 @@ def test_key_lengths(dtype, window):
 
 @pytest.mark.parametrize("kind", ["packed", "lengths"])
 def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
-    """The GPU path of packed sequences (under a family without packed instances) and of
-    key lengths, through a CuPy stand-in on host memory (emulated forward kernel): each
+    """The GPU path of packed sequences and of key lengths under a family without packed
+    or key-length instances, through a CuPy stand-in on host memory (emulated forward
+    kernel): each
     dense part writes its rows of out and lse in place; the parts run in turn on the part
     streams, which wait for the caller's stream, which then waits for each of them; the
     results are the float64 reference's."""
@@ -148,8 +150,8 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
         return d
 
     rng = np.random.default_rng(11)
+    monkeypatch.setenv("CUATTN_KERNEL", "portable")  # no packed or key-length instances
     if kind == "packed":
-        monkeypatch.setenv("CUATTN_KERNEL", "portable")  # no packed instances
         q, k, v, qo, ko = _packed(rng, np.float16, [3, 0, 17, 1, 40, 5], [4, 2, 0, 9, 33, 0])
         args, mask, parts = {"q_offsets": qo, "k_offsets": ko}, packed_mask(qo, ko, (-1, 0)), 5
         given_mask = None
@@ -212,7 +214,8 @@ def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
                                 k_offsets=ko, causal=True, softcap=5.0, return_lse=True)
     assert len(launches) == 1 and len(blocks) == 1
     choice, block, grid = blocks[0]
-    assert choice.packed and choice.family == family and "true>" in choice.name_expression
+    assert choice.ragged == PACKED and choice.family == family
+    assert choice.name_expression.endswith(", 1>")
     f = fields(block)
     sequences, cum = packed_sequences(Memory(arrays), f)
     active = [s for s in range(6) if lens_q[s]]
@@ -227,6 +230,89 @@ def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["host", "device int32", "device int64", "device uint16"])
+@pytest.mark.parametrize("window", ["full", "causal", "window"])
+def test_gpu_key_lengths_read_by_the_kernels(where, window, monkeypatch):
+    """Key lengths that the kernels read (KEY_LENGTHS instances), through a CuPy stand-in on
+    host memory: one launch of the key-lengths instance with the lengths' address and no
+    mask (query groups sharing their keys folded into rows where the band allows); the
+    results are the float64 reference's under the lengths' mask, each band aligned to its
+    entry's length."""
+    from _hostdev import fake_gpu
+
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, BF16)
+
+    def on_device(a):
+        x = device(a.shape, a.dtype)
+        x[...] = a
+        return x
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 3, 5, 64)).astype(BF16)
+    k, v = (rng.standard_normal((2, 1, 300, 64)).astype(BF16) for _ in range(2))
+    lengths = np.array([[170], [0]])
+    if where != "host":
+        lengths = on_device(lengths.astype(where.split()[1]))
+    band = WINDOWS[window]
+    out, lse = cuattn.attention(on_device(q), on_device(k), on_device(v), k_lengths=lengths,
+                                return_lse=True, **_window_kw(band))
+    assert len(launches) == 1
+    fn, pointers, _ = launches[0]
+    assert fn.startswith("attention_fwd_sm90<") and fn.endswith(", 2>")
+    assert pointers[5] == 0 and pointers[7] != 0  # no mask; the lengths' address
+    host = np.asarray(lengths).astype(np.int64)
+    mask = lengths_mask(host, (2, 3), 5, 300, band)
+    ref, ref_lse = attention_reference(q, k, v, mask=mask)
+    assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_split_parts_shift_key_lengths():
+    """A call with key lengths in key chunks (cuattn._split): the first part's entries
+    along its chunk axis step the lengths by the chunk width, the last part's start at its
+    first key; each part's entries then have the lengths' keys of their chunk, and the
+    merged parts equal the whole call's reference."""
+    import dataclasses
+
+    from cuattn import _split
+    from cuattn._checks import check_attention
+    from cuattn.merge import merge_stacked
+
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((3, 2, 1, 16))
+    k, v = (rng.standard_normal((3, 2, 5000, 16)) for _ in range(2))
+    lengths = np.array([[4999], [1200], [0]])  # (3, 1): per batch entry
+    call = dataclasses.replace(check_attention(q, k, v, causal=True, return_lse=True),
+                               k_lengths=lengths)
+    n = 4
+    outs, lses = _split.buffers(call, n)
+    first, last = _split.parts(call, n, outs, lses)
+    width = 5000 // n
+    assert (first[0].k_lengths_from, first[0].k_lengths_step) == (0, width)
+    assert (last[0].k_lengths_from, last[0].k_lengths_step) == (3 * width, 0)
+
+    def run(part):  # a part's entries: their lengths, less the chunk's first key
+        b = part.batch_shape
+        chunk = np.arange(b[-1]) if len(b) == 3 else 0  # the first part's chunk axis
+        keys = np.clip(np.broadcast_to(part.k_lengths, b) - part.k_lengths_from
+                       - chunk * part.k_lengths_step, 0, part.seqlen_k)
+        mask = lengths_mask(keys, b, part.seqlen_q, part.seqlen_k,
+                            (part.window_left, part.window_right))
+        return attention_reference(np.broadcast_to(part.q, b + part.q.shape[-2:]), part.k,
+                                   part.v, mask=mask)
+    for part, lse in (first, last):
+        lse[...] = run(part)[1]
+        part.out[...] = run(part)[0]
+    out, lse = merge_stacked(outs, lses)
+    mask = lengths_mask(lengths, (3, 2), 1, 5000, (-1, 0))
+    ref, ref_lse = attention_reference(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
 
 
 def test_equal_neighbouring_lengths_share_a_call():
@@ -415,6 +501,69 @@ def test_gpu_packed_sequences_do_not_read_their_neighbours(instance):
     assert np.all(np.isfinite(out[..., keep, :]))
     assert_accurate(out[..., keep, :], ref, naive_attention(sub_q, *sub_kv, mask=mask))
     np.testing.assert_allclose(lse[..., keep], ref_lse, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("instance", ["sm90 piped 128x2", "sm90 piped 64x2", "sm90 per-block",
+                                      "mma"])
+@pytest.mark.parametrize("window", ["full", "causal", "window"])
+def test_gpu_key_lengths_in_the_kernels(instance, window):
+    """Key lengths read by the forced instances: each batch entry against the float64
+    reference on its first keys, its band aligned to its length; NaN and inf past the
+    lengths (a cache's unwritten rows) leave the results exact."""
+    import cupy as cp
+
+    from cuattn import _gpu
+    from cuattn._checks import check_attention
+    family, tiles = _packed_tiles()[instance]
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 3, 70, 64)).astype(BF16)
+    k, v = (rng.standard_normal((2, 3, 600, 64)).astype(BF16) for _ in range(2))
+    lengths = np.array([[600, 0, 1], [129, 300, 64]])
+    for b, h in np.ndindex(2, 3):
+        k[b, h, lengths[b, h]:] = np.inf
+        v[b, h, lengths[b, h]:] = np.nan
+    band = WINDOWS[window]
+    call = check_attention(*(cp.asarray(x) for x in (q, k, v)), return_lse=True,
+                           **_window_kw(band))
+    out, lse = (to_host(x) for x in _gpu.forward_lengths(call, cp.asarray(lengths), family,
+                                                         tiles))
+    for b, h in np.ndindex(2, 3):
+        n = lengths[b, h]
+        ref, ref_lse = attention_reference(q[b, h], k[b, h, :n], v[b, h, :n],
+                                           window=None if band == (-1, -1) else tuple(
+                                               None if w < 0 else w for w in band))
+        assert_accurate(out[b, h], ref, naive_attention(
+            q[b, h], k[b, h, :n], v[b, h, :n], window=None if band == (-1, -1) else tuple(
+                None if w < 0 else w for w in band)))
+        assert np.array_equal(np.isinf(lse[b, h]), np.isinf(ref_lse))
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[b, h][finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_gpu_key_lengths_of_a_decoding_call(dtype):
+    """A GQA decoding call with device key lengths through dispatch: its query groups fold
+    into rows and its keys split into chunks, each shifting the lengths; unwritten cache
+    rows (NaN) past the lengths stay unread; equal to the float64 reference."""
+    import cupy as cp
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((2, 4, 3, 1, 128)).astype(dtype)
+    k, v = (rng.standard_normal((2, 4, 1, 20000, 128)).astype(dtype) for _ in range(2))
+    lengths = np.array([19999, 0, 4097, 1, 20000, 12345, 8191, 640]).reshape(2, 4, 1)
+    for b, h in np.ndindex(2, 4):
+        v[b, h, 0, lengths[b, h, 0]:] = np.nan
+    out, lse = cuattn.attention(*(cp.asarray(x) for x in (q, k, v)), causal=True,
+                                k_lengths=cp.asarray(lengths.astype(np.int32)),
+                                return_lse=True)
+    mask = lengths_mask(lengths, (2, 4, 3), 1, 20000, (-1, 0))
+    clean = np.where(np.isnan(v), 0, v).astype(dtype)
+    ref, ref_lse = attention_reference(q, k, clean, mask=mask)
+    assert_accurate(to_host(out), ref, naive_attention(q, k, clean, mask=mask))
+    assert np.array_equal(np.isinf(to_host(lse)), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(to_host(lse)[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.gpu

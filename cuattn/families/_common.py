@@ -12,6 +12,10 @@ from .._kernels import c_type_name
 #: threads per block of the kernels that do not say otherwise
 THREADS = 256
 
+#: a forward instance's RAGGED mode (common.cuh's enum Ragged): a dense call, packed
+#: sequences (q_offsets, k_offsets) in one grid, or key lengths read by the kernel
+DENSE, PACKED, KEY_LENGTHS = 0, 1, 2
+
 
 @dataclass(frozen=True)
 class Request:
@@ -30,9 +34,9 @@ class Request:
     #: the backward's: the forward's products read TF32 operands (a "tf32" family served
     #: it), so a backward that recomputes the scores rounds its operands the same way
     tf32_forward: bool = False
-    #: a packed call (q_offsets, k_offsets): a family with packed instances returns one
-    #: (KernelChoice.packed); the others their dense instance, run per sequence
-    packed: bool = False
+    #: packed sequences or key lengths (PACKED, KEY_LENGTHS): a family with instances of
+    #: that mode returns one (KernelChoice.ragged); the others their dense instance
+    ragged: int = DENSE
 
     @property
     def head(self) -> int:
@@ -123,9 +127,9 @@ class KernelChoice:
     #: a grid of one block per SM at most, each taking the call's work units in turn
     #: (FwdTmaParams.units)
     persistent: bool = False
-    #: the instance runs a packed call in one grid (AttnParams.packed, sequence_unit in
-    #: common.cuh)
-    packed: bool = False
+    #: the RAGGED mode of the instance: packed sequences in one grid (AttnParams.packed),
+    #: or key lengths (AttnParams.k_lengths); sequence_unit in common.cuh
+    ragged: int = DENSE
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from ._common import (
     DELTA,
+    DENSE,
+    PACKED,
     BackwardChoice,
     BlockTiles,
     Kernel,
@@ -22,7 +24,7 @@ FORWARD_FILE = "mma/attention_mma.cu"
 BACKWARD_FILE = "mma/attention_backward_mma.cu"
 
 FWD = Kernel("attention_fwd_mma", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
-                                  "M_TILES ALIGNED MIN_BLOCKS PACKED", defaults={"PACKED": False})
+                                  "M_TILES ALIGNED MIN_BLOCKS RAGGED", defaults={"RAGGED": DENSE})
 DKDV = Kernel("attention_bwd_dkdv_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_M "
                                         "NUM_WARPS ALIGNED MIN_BLOCKS")
 DQ = Kernel("attention_bwd_dq_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_N "
@@ -77,7 +79,7 @@ def mma_smem_bytes(tiles: MmaTiles, head_dim: int, head_dim_v: int, itemsize: in
 def forward(req: Request, tiles: MmaTiles | None = None) -> KernelChoice:
     hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
     table = MMA_TILES
-    if req.packed and tiles is None:
+    if req.ragged == PACKED and tiles is None:
         table = tuple(next((r for r in MMA_PACKED_TILES if r[0] == row[0]), row)
                       for row in MMA_TILES)
     tiles, smem = first_fit(candidates(table, req, tiles),
@@ -85,10 +87,10 @@ def forward(req: Request, tiles: MmaTiles | None = None) -> KernelChoice:
     expr = FWD(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.num_warps,
                M_TILES=tiles.m_tiles, ALIGNED=req.aligned, MIN_BLOCKS=tiles.min_blocks,
-               PACKED=req.packed)
+               RAGGED=req.ragged)
     return KernelChoice("mma", FORWARD_FILE, expr,
                         BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32, packed=req.packed)
+                        threads=tiles.num_warps * 32, ragged=req.ragged)
 
 
 # ---- backward -------------------------------------------------------------------------

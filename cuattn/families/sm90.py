@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ._common import (
     DELTA,
+    DENSE,
     BackwardChoice,
     BlockTiles,
     Kernel,
@@ -24,11 +25,11 @@ FORWARD_FILE = "sm90/attention_sm90.cu"
 BACKWARD_FILE = "sm90/attention_backward_sm90.cu"
 
 FWD = Kernel("attention_fwd_sm90", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WG STAGES "
-                                   "ALIGNED MIN_BLOCKS PACKED", defaults={"PACKED": False})
+                                   "ALIGNED MIN_BLOCKS RAGGED", defaults={"RAGGED": DENSE})
 FWD_PIPED = Kernel("attention_fwd_sm90_piped",
                    "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N STAGES STAGE_SIDE OVERLAP "
-                   "PERSISTENT PACKED", defaults={"STAGE_SIDE": True, "OVERLAP": False,
-                                                  "PERSISTENT": False, "PACKED": False})
+                   "PERSISTENT RAGGED", defaults={"STAGE_SIDE": True, "OVERLAP": False,
+                                                  "PERSISTENT": False, "RAGGED": DENSE})
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
                                          "MIN_BLOCKS OVERLAP STATS_AHEAD",
               defaults={"STATS_AHEAD": False})
@@ -163,9 +164,9 @@ def forward(req: Request,
     if isinstance(tiles, Sm90Tiles) and wide:
         raise NotImplementedError(f"the sm90 per-block instance holds head dims to "
                                   f"{PER_BLOCK_HEAD} ({req.what()})")
-    if isinstance(tiles, Sm90PipedTiles) and tiles.persistent and req.packed:
-        raise NotImplementedError("a packed call runs a block per work unit: no persistent "
-                                  "sm90 piped tiles")
+    if isinstance(tiles, Sm90PipedTiles) and tiles.persistent and req.ragged != DENSE:
+        raise NotImplementedError("packed sequences and key lengths run a block per work "
+                                  "unit: no persistent sm90 piped tiles")
     per_block = None if wide or isinstance(tiles, Sm90PipedTiles) else \
         _per_block(req, tiles, hd, hdv)
     if not req.aligned or isinstance(tiles, Sm90Tiles):
@@ -183,13 +184,13 @@ def forward(req: Request,
     expr = FWD_PIPED(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                      HEAD_DIM_V=hdv, BLOCK_N=piped.block_n, STAGES=piped.stages,
                      STAGE_SIDE=staged, OVERLAP=piped.overlap, PERSISTENT=piped.persistent,
-                     PACKED=req.packed)
+                     RAGGED=req.ragged)
     # past 128, dispatch gives the fallback: the next family's instance
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(piped.block_m, piped.block_n, hd, hdv, 1), hd, hdv, smem,
                         threads=piped.num_warps * 32, tma=True, fallback=per_block,
                         tma_from=0 if wide or tiles else PIPED_MIN_KEYS,
-                        persistent=piped.persistent, packed=req.packed)
+                        persistent=piped.persistent, ragged=req.ragged)
 
 
 def piped_tiles(req: Request, tiles: Sm90PipedTiles | None = None):
@@ -220,10 +221,10 @@ def _per_block(req: Request, tiles: Sm90Tiles | None, hd: int, hdv: int) -> Kern
     expr = FWD(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                HEAD_DIM_V=hdv, BLOCK_N=tiles.block_n, NUM_WG=tiles.block_m // 64,
                STAGES=tiles.stages, ALIGNED=req.aligned,
-               MIN_BLOCKS=resident_cap(tiles.min_blocks, smem), PACKED=req.packed)
+               MIN_BLOCKS=resident_cap(tiles.min_blocks, smem), RAGGED=req.ragged)
     return KernelChoice("sm90", FORWARD_FILE, expr,
                         BlockTiles(tiles.block_m, tiles.block_n, hd, hdv, 1), hd, hdv, smem,
-                        threads=tiles.num_warps * 32, packed=req.packed)
+                        threads=tiles.num_warps * 32, ragged=req.ragged)
 
 
 # ---- backward -------------------------------------------------------------------------

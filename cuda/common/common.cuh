@@ -173,19 +173,22 @@ struct Strides {
 };
 
 struct AttnParams {
-    long long q, k, v, out, lse, mask, bias;  // device addresses
+    long long q, k, v, out, lse, mask, bias, k_lengths;  // device addresses
     long long batch1, batch2;                 // extents of batch axes 1 and 2 (axis 0 is implied)
     long long seqlen_q, seqlen_k, head_dim, head_dim_v;
     long long window_left, window_right;      // -1: unbounded; causal is window_right = 0
     long long num_m_blocks, num_dv_tiles;     // grid decomposition, computed in Python
     double scale;                             // softmax scale (natural units)
     double softcap;                           // 0: no softcap
-    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s;
+    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s, k_lengths_s;
     // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
     // the others), written per call
     long long magnitudes;
     // a packed call's sequences (PackedSeq, below): device address and count; 0 for a dense call
     long long packed, num_packed;
+    // key lengths (KEY_LENGTHS, below): bytes per length (4 or 8), and the first key of this
+    // call's chunk of the keys: k_lengths_from + (index along batch axis 2) x k_lengths_step
+    long long k_lengths_size, k_lengths_from, k_lengths_step;
 };
 
 // The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
@@ -288,31 +291,47 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams
     return forward_block_at<T, BiasT>(p, block_m, blockIdx.x, gridDim.x);
 }
 
-// ---- packed sequences ---------------------------------------------------------------
-// A packed call (q_offsets, k_offsets) is one grid over the work units of every sequence.
-// p.packed holds, in device memory, a PackedSeq for each of the p.num_packed sequences that
-// have query rows (Python orders them by key count, longest first, so that the costliest
-// blocks start first), then int cum[num_packed + 1]: sequence i owns the grid's units
-// cum[i] .. cum[i + 1] - 1 (its query blocks x batch entries, cum[0] = 0). p.seqlen_q and
-// p.seqlen_k are the packed totals (the tensor maps' rows).
+// ---- packed sequences and key lengths -------------------------------------------------
+// A forward instance's RAGGED mode: a dense call; a packed call (q_offsets, k_offsets), one
+// grid over the work units of every sequence; or key lengths (k_lengths), a dense grid
+// whose batch entries each have their own key count.
+enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2 };
+// PACKED: p.packed holds, in device memory, a PackedSeq for each of the p.num_packed
+// sequences that have query rows (Python orders them by key count, longest first, so that
+// the costliest blocks start first), then int cum[num_packed + 1]: sequence i owns the
+// grid's units cum[i] .. cum[i + 1] - 1 (its query blocks x batch entries, cum[0] = 0).
+// p.seqlen_q and p.seqlen_k are the packed totals (the tensor maps' rows).
 struct PackedSeq {
     int q_row0, k_row0, seqlen_q, seqlen_k;
 };
-// A block's work unit as a dense call of its own: p with the sequence's lengths and its
-// first rows of q, k, v, out and lse, the unit's index among the sequence's units, and
-// the sequence's first rows (for the tensor maps, which span the packed totals). A dense
-// call (PACKED false) is itself. T: the type of q, k, v and out; AccT: of the lse.
+// A block's work unit as a dense call of its own: p with the unit's lengths (PACKED: its
+// sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS: its batch entry's
+// key count), the unit's index among its sequence's units, and the sequence's first rows
+// (for the tensor maps, which span the packed totals). DENSE: p itself. T: the type of q,
+// k, v and out; AccT: of the lse.
 struct SequenceUnit {
     AttnParams p;
     unsigned unit, units;
     int q_row0, k_row0;
 };
-template <bool PACKED, typename T, typename AccT>
+template <int RAGGED, typename T, typename AccT>
 __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int block_m,
                                                       unsigned unit, unsigned units) {
-    if constexpr (!PACKED) {
-        return {p, unit, units, 0, 0};
-    } else {
+    if constexpr (RAGGED == KEY_LENGTHS) {
+        // batch entry b's keys: k_lengths[b] (int32 or int64, by k_lengths_size) less the
+        // first key of this call's chunk of them, k_lengths_from + (b's index along batch
+        // axis 2) x k_lengths_step (a split call's chunks, cuattn/_split.py), within 0 .. Sk
+        const long long b = block_coords_at(unit, units, p.num_m_blocks, 1,
+                                            p.window_left >= 0 || p.window_right >= 0, true).b;
+        const long long at = batch_offset(p.k_lengths_s, b, p.batch1, p.batch2);
+        const long long n = (p.k_lengths_size == 8
+                                 ? reinterpret_cast<const long long*>(p.k_lengths)[at]
+                                 : (long long)reinterpret_cast<const int*>(p.k_lengths)[at]) -
+                            p.k_lengths_from - (b % p.batch2) * p.k_lengths_step;
+        SequenceUnit r{p, unit, units, 0, 0};
+        r.p.seqlen_k = min(max(n, 0LL), p.seqlen_k);
+        return r;
+    } else if constexpr (RAGGED == PACKED) {
         const int n = (int)p.num_packed;
         const PackedSeq* seqs = reinterpret_cast<const PackedSeq*>(p.packed);
         const int* cum = reinterpret_cast<const int*>(seqs + n);
@@ -334,6 +353,8 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int b
         r.p.out += (long long)sizeof(T) * s.q_row0 * p.out_s.row;
         if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.q_row0 * p.lse_s.row;
         return r;
+    } else {
+        return {p, unit, units, 0, 0};
     }
 }
 

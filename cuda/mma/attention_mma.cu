@@ -22,8 +22,8 @@
 //             HEAD_DIM, HEAD_DIM_V: q/k and v head dims padded to a multiple of 64 (the pad
 //             is zero-filled in shared memory); BLOCK_N keys per tile; NUM_WARPS; M_TILES
 //             row tiles of 16 per warp; ALIGNED; MIN_BLOCKS resident blocks per SM for
-//             __launch_bounds__ (a register cap); PACKED: a packed call (sequence_unit,
-//             common.cuh).
+//             __launch_bounds__ (a register cap); RAGGED: a dense call, packed sequences or
+//             key lengths (sequence_unit, common.cuh).
 // Shared mem: (BLOCK_M*HEAD_DIM + 2*BLOCK_N*HEAD_DIM + 2*BLOCK_N*HEAD_DIM_V) * sizeof(T);
 //             rows are stored with a 16-byte-chunk XOR swizzle (chunk ^ row % 8) so that the
 //             eight row addresses of every ldmatrix phase fall in distinct banks.
@@ -35,7 +35,7 @@ using namespace cuattn;
 using namespace cuattn::mma;
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WARPS, int M_TILES, bool ALIGNED, int MIN_BLOCKS, bool PACKED = false>
+          int NUM_WARPS, int M_TILES, bool ALIGNED, int MIN_BLOCKS, int RAGGED = DENSE>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attention_fwd_mma(const AttnParams params) {
     constexpr int THREADS = NUM_WARPS * 32, WARP_M = 16 * M_TILES, BLOCK_M = WARP_M * NUM_WARPS;
@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     T* v_s = reinterpret_cast<T*>(smem_raw + L::v_s);  // [2][BLOCK_N][HEAD_DIM_V]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // a packed call's block: its sequence as a dense call (common.cuh)
-    const SequenceUnit su = sequence_unit<PACKED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
-    const AttnParams& p = PACKED ? su.p : params;
+    // a packed call's or key lengths' block: its sequence as a dense call (common.cuh)
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
+    const AttnParams& p = RAGGED != DENSE ? su.p : params;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
     const ForwardBlock<T, BiasT> blk = forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units);
     const long long b = blk.b, m0 = blk.m0;

@@ -25,8 +25,8 @@
 //             16-byte chunk c of row r at chunk c ^ (r % 8); tiles start 1024-byte aligned.
 //             the layout: FwdSm90Smem (layouts.cuh, from cuattn/families/sm90.py).
 // Template:   T; BiasT; HAS_MASK; HEAD_DIM, HEAD_DIM_V (64 or 128, zero-padded); BLOCK_N (64
-//             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS; PACKED (a packed call:
-//             sequence_unit, common.cuh).
+//             or 128); NUM_WG; STAGES (2 to 4); ALIGNED; MIN_BLOCKS; RAGGED (a dense call,
+//             packed sequences or key lengths: sequence_unit, common.cuh).
 #include "common/mma_softmax.cuh"
 #include "sm90/pipeline.cuh"
 
@@ -42,7 +42,7 @@ constexpr int TAIL_N = 16;  // the width of a short last key tile
 }  // namespace
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
-          int NUM_WG, int STAGES, bool ALIGNED, int MIN_BLOCKS, bool PACKED = false>
+          int NUM_WG, int STAGES, bool ALIGNED, int MIN_BLOCKS, int RAGGED = DENSE>
 __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     attention_fwd_sm90(const AttnParams params) {
     constexpr int THREADS = NUM_WG * 128, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -63,9 +63,9 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     unsigned char* side_s = smem_raw + L::side_s;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-    // a packed call's block: its sequence as a dense call (common.cuh)
-    const SequenceUnit su = sequence_unit<PACKED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
-    const AttnParams& p = PACKED ? su.p : params;
+    // a packed call's or key lengths' block: its sequence as a dense call (common.cuh)
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
+    const AttnParams& p = RAGGED != DENSE ? su.p : params;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
     const ForwardBlock<T, BiasT> blk = forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units);
     const long long b = blk.b, m0 = blk.m0;
@@ -179,9 +179,9 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 // they have landed; otherwise the softmax reads them from global memory. Python takes this
 // instance where the tensor maps exist: q, k and v with unit column strides and 16-byte
 // aligned starts and strides (_tma.py).
-// PACKED: the maps span the packed sequences, and a block's boxes start at its sequence's
-// rows; a box past the sequence's end holds the next sequence's rows, which count as keys
-// past the end (masked) and as query rows past the end (never stored).
+// RAGGED: under PACKED the maps span the packed sequences, and a block's boxes start at its
+// sequence's rows; a box past a sequence's end (or past a key length) holds other rows, which
+// count as keys past the end (masked) and as query rows past the end (never stored).
 
 // The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
 // (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
@@ -211,7 +211,7 @@ struct BatchCoords {
 
 template <typename T, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N,
           int STAGES, bool STAGE_SIDE = true, bool OVERLAP = false, bool PERSISTENT = false,
-          bool PACKED = false>
+          int RAGGED = DENSE>
 __global__ void __launch_bounds__(3 * 128, 1)
     attention_fwd_sm90_piped(const __grid_constant__ FwdTmaParams w) {
     constexpr int NUM_WG = 2, BLOCK_M = 64 * NUM_WG, DV_TILES = HEAD_DIM_V / 8;
@@ -224,18 +224,19 @@ __global__ void __launch_bounds__(3 * 128, 1)
     // registers per thread: the producer keeps 24 (40 where it also copies the mask and
     // bias tiles), the consumers take the rest of the block's allocation at launch (384
     // threads x 168)
-    constexpr int PRODUCER_REGS = SIDE || PACKED ? 40 : 24,
-                  CONSUMER_REGS = SIDE || PACKED ? 232 : 240;
+    constexpr bool RAGGED_KEYS = RAGGED != DENSE;  // keys end before the maps' rows do
+    constexpr int PRODUCER_REGS = SIDE || RAGGED_KEYS ? 40 : 24,
+                  CONSUMER_REGS = SIDE || RAGGED_KEYS ? 232 : 240;
     static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536,
                   "register budgets");
     constexpr int Q_ELEMS = 64 * HEAD_DIM, K_ELEMS = BLOCK_N * HEAD_DIM;
     constexpr unsigned Q_BYTES = NUM_WG * Q_ELEMS * sizeof(T), K_BYTES = K_ELEMS * sizeof(T),
                        SLOT_BYTES = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * sizeof(T);
-    static_assert(!(PACKED && PERSISTENT), "a packed call has a block per work unit");
-    // a packed call's block: its sequence as a dense call, whose rows start at su.q_row0
-    // and su.k_row0 of the tensor maps (common.cuh)
-    const SequenceUnit su = sequence_unit<PACKED, T, float>(w.p, BLOCK_M, blockIdx.x, gridDim.x);
-    const AttnParams& p = PACKED ? su.p : w.p;
+    static_assert(!(RAGGED_KEYS && PERSISTENT), "a ragged call has a block per work unit");
+    // a packed call's or key lengths' block: its sequence as a dense call, whose rows start
+    // at su.q_row0 and su.k_row0 of the tensor maps (common.cuh)
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(w.p, BLOCK_M, blockIdx.x, gridDim.x);
+    const AttnParams& p = RAGGED != DENSE ? su.p : w.p;
 
     using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES, HAS_MASK && SIDE,
                              SIDE ? (int)Side::BIAS_SIZE : 0>;
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
     };
     auto unit_at = [&](unsigned u) {
         const ForwardBlock<T, BiasT> blk =
-            PACKED ? forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units)
+            RAGGED_KEYS ? forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units)
                    : forward_block_at<T, BiasT>(p, BLOCK_M, u, units);
         const int m_last = min((int)blk.m0 + BLOCK_M, (int)p.seqlen_q) - 1;
         const Range keys = key_band(p, blk.m0, m_last, BLOCK_N);
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
         mbar_init(q_empty, NUM_WG * 4);  // a lane of each consumer warp
         // a slot is full with the copy engine's bytes, and the staged tiles of every
         // producer thread
-        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged || PACKED ? 1 + 128 : 1);
+        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged || RAGGED_KEYS ? 1 + 128 : 1);
         fence_mbar_init();
     }
     __syncthreads();  // the barriers ready for everyone: the copies start now
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
         setmaxnreg_dec<PRODUCER_REGS>();
         const int tid = threadIdx.x - NUM_WG * 128;
         const bool copier = tid == 0;  // the lane that issues the bulk tensor copies
-        if (!copier && !staged && !PACKED) return;
+        if (!copier && !staged && !RAGGED_KEYS) return;
         if (copier) {
             prefetch_tensor_map(&w.q_map);
             prefetch_tensor_map(&w.k_map);
@@ -312,10 +313,11 @@ __global__ void __launch_bounds__(3 * 128, 1)
             const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
             auto fill = [&](int t, int s, unsigned bar) {
                 const int n0 = un.n_lo + t * BLOCK_N, row = su.k_row0 + n0;
-                // PACKED: V rows past the sequence's end would be the next sequence's, and
-                // P V multiplies them by 0 (an inf or NaN there would spread): that tile's V
-                // is copied by the warpgroup's threads instead, zero past the end
-                const bool v_by_threads = PACKED && n0 + BLOCK_N > p.seqlen_k;
+                // RAGGED: V rows past the sequence's end would be the next sequence's (or
+                // rows past a key length), and P V multiplies them by 0 (an inf or NaN there
+                // would spread): that tile's V is copied by the warpgroup's threads instead,
+                // zero past the end
+                const bool v_by_threads = RAGGED_KEYS && n0 + BLOCK_N > p.seqlen_k;
                 if (copier) {
                     mbar_expect_tx(bar, v_by_threads ? K_BYTES : SLOT_BYTES);
                     const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
@@ -335,7 +337,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
                         un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col,
                         p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
                 if (staged) side.request(s, m0, n0, tid);
-                if (staged || PACKED) cp_async_arrive(bar);
+                if (staged || RAGGED_KEYS) cp_async_arrive(bar);
             };
             // PERSISTENT: the unit's first tiles while the consumers finish the last unit
             // (their slots' releases need no Q), then its Q once they are done with the last
@@ -379,8 +381,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
             product_ss<BLOCK_N, HEAD_DIM, T>(sc, q_base, slot(t));
         };
         auto issue_pv = [&](int t) {  // O += P(t) V(t)
-            // a V tile copied by threads (PACKED) to the tensor cores' proxy
-            if (PACKED && n_lo + (t + 1) * BLOCK_N > seqlen_k) fence_proxy_async();
+            // a V tile copied by threads (RAGGED) to the tensor cores' proxy
+            if (RAGGED_KEYS && n_lo + (t + 1) * BLOCK_N > seqlen_k) fence_proxy_async();
             product_ra_wide<HEAD_DIM_V, BLOCK_N, T>(acc, p_frag, slot(t) + K_BYTES);
         };
         auto release = [&](int t) {  // every product and read on slot t is done
