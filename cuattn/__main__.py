@@ -221,8 +221,8 @@ def main(argv=None) -> int:
                    ).set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="cuattn against its peers, one run")
     b.add_argument("--suite", action="append",
-                   help="vector_add, vit, fp32, fp64, long, train, masked, dask, decode, paged, "
-                        "varlen")
+                   help="vector_add, vit, fp32, fp64, long, train, masked, dask, decode, "
+                        "lengths, paged, varlen")
     b.add_argument("--direction", choices=("fwd", "bwd"), help="only forward or backward rows")
     b.add_argument("--max-seqlen", type=int, help="skip attention cases with longer sequences")
     b.add_argument("--match", action="append",

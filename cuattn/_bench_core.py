@@ -30,6 +30,9 @@ class Case:
     heads_kv: int = 0
     #: paged decode cases: rows per page of the pools (0: a contiguous cache)
     page_size: int = 0
+    #: key-length cases: every entry's key length (k_lengths) in a cache of ``seqlen_k``
+    #: keys (0: every key)
+    k_length: int = 0
 
     @property
     def lengths(self) -> list[int]:
@@ -50,7 +53,8 @@ class Case:
                      f"Hq{self.heads} Hk{self.heads_kv}")
             return (f"B{self.batch} {heads} Sq{self.seqlen} Sk{self.seqlen_k} "
                     f"D{self.head_dim} {self.dtype}"
-                    + (f" pages of {self.page_size}" if self.page_size else ""))
+                    + (f" pages of {self.page_size}" if self.page_size else "")
+                    + (f" lengths {self.k_length}" if self.k_length else ""))
         if self.kind == "varlen":
             return (f"varlen B{self.batch} H{self.heads} L64-{self.seqlen} D{self.head_dim} "
                     f"{self.dtype}" + (" causal" if self.causal else ""))
@@ -74,9 +78,11 @@ class Case:
 
     @property
     def kv_bytes(self) -> float:
-        """Bytes of K and V a decode case reads (each K/V head once)."""
+        """Bytes of K and V a decode case reads (each K/V head once; a key-length case
+        its lengths' keys)."""
         size = 8 if self.dtype == "float64" else 4 if self.dtype == "float32" else 2
-        return 2.0 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * size
+        keys = self.k_length or self.seqlen_k
+        return 2.0 * self.batch * self.heads_kv * keys * self.head_dim * size
 
     def rate(self, ms: float) -> float:
         """The case's rate at ``ms`` per call: GB/s of K and V for decode cases, TFLOP/s

@@ -65,7 +65,9 @@ def _decode_rows(case: Case, cupy, torch):
     """Decoding: q (B, Hkv, G, Sq, D) against k, v (B, Hkv, 1, Sk, D) for cuattn (GQA is
     broadcasting), the same memory as (B, Hq, Sq, D) and (B, Hkv, Sk, D) for PyTorch's SDPA
     with ``enable_gqa``; no causal band (for one query row it allows every key). The rate
-    is the bytes of K and V read per second."""
+    is the bytes of K and V read per second. A key-length case: cuattn with device key
+    lengths (every entry ``k_length`` of the Sk keys), against cuattn's and the peers' dense
+    calls on those keys."""
     import cuattn
     dtype = np.dtype(case.dtype)
     groups = case.heads // case.heads_kv
@@ -77,10 +79,15 @@ def _decode_rows(case: Case, cupy, torch):
     if case.page_size:
         return _timed_rows(_paged_impls(case, q, k, v, cupy), case, cupy, None)
     impls = {"cuattn": lambda: cuattn.attention(q, k, v)}
+    if case.k_length:  # key lengths in a longer cache, against the dense call on those keys
+        lengths = cupy.full((b, hk, 1), case.k_length, cupy.int32)
+        impls = {"cuattn": lambda: cuattn.attention(q, k, v, k_lengths=lengths)}
+        k, v = (x[..., :case.k_length, :] for x in (k, v))
+        impls["cuattn dense"] = lambda: cuattn.attention(q, k, v)
     if torch is not None:
         from torch.nn.attention import sdpa_kernel
         tq = torch.from_dlpack(q.reshape(b, case.heads, case.seqlen, d))
-        tk, tv = (torch.from_dlpack(x.reshape(b, hk, case.seqlen_k, d)) for x in (k, v))
+        tk, tv = (torch.from_dlpack(x.reshape(b, hk, x.shape[-2], d)) for x in (k, v))
         for name, backend in _torch_backends(torch)[:2]:  # flash, cudnn
 
             def call(backend=backend):

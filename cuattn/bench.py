@@ -95,6 +95,11 @@ SUITES = {
                                          (16, 32, 8, 4, 16384), (1, 32, 32, 1, 4096),
                                          (16, 32, 32, 1, 4096), (16, 32, 32, 1, 32768),
                                          (1, 32, 32, 1, 131072), (16, 32, 32, 1, 131072))],
+    # device key lengths (half the cache) against the dense call on those keys
+    "lengths": [Case("lengths", "decode", "bfloat16", b, hq, sq, 128, seqlen_k=sk, heads_kv=hk,
+                     k_length=sk // 2)
+                for b, hq, hk, sq, sk in ((16, 32, 8, 1, 16384), (1, 32, 32, 1, 131072),
+                                          (64, 32, 8, 1, 8192), (4, 16, 16, 4096, 8192))],
     # paged caches (pages of 256 rows, shuffled in the pool) against the contiguous cache
     "paged": [Case("paged", "decode", "bfloat16", b, hq, 1, 128, seqlen_k=sk, heads_kv=hk,
                    page_size=256)

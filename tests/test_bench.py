@@ -65,3 +65,10 @@ def test_decode_cases_count_kv_bytes():
     assert case.kv_bytes == 2 * 8 * 131072 * 128 * 2
     assert case.rate(2.0) == case.kv_bytes / 2.0 / 1e6  # GB/s at 2 ms
     assert SUITES["decode"][0].label == "B1 H32 Sq1 Sk32768 D128 bfloat16"
+
+
+def test_key_length_cases_count_the_keys_of_their_lengths():
+    from cuattn.bench import SUITES
+    case = SUITES["lengths"][0]  # B16 Hq32 Hk8 Sq1, half of 16384 keys per entry
+    assert case.label == "B16 Hq32 Hk8 Sq1 Sk16384 D128 bfloat16 lengths 8192"
+    assert case.kv_bytes == 2 * 16 * 8 * 8192 * 128 * 2
