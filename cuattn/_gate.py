@@ -227,6 +227,7 @@ def backward_instances(arch: str):
     storage (the input dtype, or the accumulator type for broadcast inputs). Fast: no bias,
     no mask, gradients in place, aligned, dispatch's own pick."""
     from ._dispatch import BACKWARD_FAMILIES, _choose_backward, tf32_forward
+    from .families._common import DENSE, PACKED
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in BACKWARD_FAMILIES:
@@ -235,14 +236,17 @@ def backward_instances(arch: str):
             # the forward of the call as dispatch picks it: TF32 or not
             tf32 = precision == "tf32" and tf32_forward(dtype, d, dv, bias_dtype, has_mask,
                                                         aligned, cc, limit)
-            for grads in ((dtype, dtype), (acc, acc)):
+            for grads, ragged in itertools.product(((dtype, dtype), (acc, acc)),
+                                                   (DENSE, PACKED)):
+                if ragged == PACKED and (has_mask or bias_dtype is not None):
+                    continue
                 choice = _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads, aligned,
-                                          cc, limit, family.name, None, precision, tf32)
-                if choice is None:  # the family does not serve arch
+                                          cc, limit, family.name, None, precision, tf32, ragged)
+                if choice is None or choice.ragged != ragged:  # the family does not serve
                     continue
                 picked = choice == _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads,
                                                     aligned, cc, limit, None, None, precision,
-                                                    tf32)
+                                                    tf32, ragged)
                 for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
                     if expr is None:  # no magnitudes kernel
                         continue

@@ -167,18 +167,20 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
     return launch, offset_sets(tensors, pointer_sets)
 
 
-def packed_table(q_offsets, k_offsets, block_m: int, per_block: int):
-    """(table, query blocks, work units) of a packed call whose kernel takes ``block_m``
+def packed_table(q_offsets, k_offsets, block_m: int, per_block: int, keys: bool = False):
+    """(table, row blocks, work units) of a packed call whose kernel takes ``block_m``
     query rows per block and ``per_block`` work units per query block (its batch entries
     and output-column tiles): the int32 table of common.cuh's sequence_unit, a PackedSeq
     (first query row, first key, query rows, keys) for each sequence with query rows, by
     key count, longest first (the costliest blocks start first), then the first work unit
-    of each of them and the total (cum)."""
+    of each of them and the total (cum). ``keys``: the blocks are of ``block_m`` keys (the
+    backward's dK/dV kernels), the sequences those with keys, by query count."""
     q_offsets, k_offsets = np.asarray(q_offsets, np.int64), np.asarray(k_offsets, np.int64)
     sq, sk = np.diff(q_offsets), np.diff(k_offsets)
-    active = np.flatnonzero(sq > 0)
-    order = active[np.argsort(-sk[active], kind="stable")]
-    blocks = -(-sq[order] // block_m)
+    rows, other = (sk, sq) if keys else (sq, sk)
+    active = np.flatnonzero(rows > 0)
+    order = active[np.argsort(-other[active], kind="stable")]
+    blocks = -(-rows[order] // block_m)
     cum = np.zeros(len(order) + 1, np.int64)
     np.cumsum(blocks * per_block, out=cum[1:])
     if cum[-1] >= 2 ** 31:

@@ -9,10 +9,11 @@ import numpy as np
 
 from . import _dispatch
 from ._checks import AttentionCall, lse_dtype, sum_to_shape
-from ._gpu import FORWARD_SLOTS, MAGNITUDE_ROWS, _attn_fields, _forward_tensors
+from ._gpu import FORWARD_SLOTS, MAGNITUDE_ROWS, _attn_fields, _forward_tensors, packed_table
 from ._kernels import get_kernel
 from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
 from ._params import new_block
+from .families._common import DENSE, PACKED
 
 __all__ = ["backward"]
 
@@ -20,11 +21,15 @@ __all__ = ["backward"]
 BACKWARD_SLOTS = ("dout", "delta", "dq", "dk", "dv")
 
 
-def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
+def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None,
+             packed=None):
     """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (after the
     magnitudes kernel where the family has one). A gradient of an input that was broadcast
     over batch axes is computed per batch entry in the accumulator type and summed over
-    those axes (a deterministic CuPy reduction)."""
+    those axes (a deterministic CuPy reduction). ``packed``: a packed call's (q_offsets,
+    k_offsets) in host memory, run in one grid per kernel by the family's packed instances;
+    None where the family has none (the caller runs the sequences as dense calls).
+    ``kernel`` and ``tiles`` force a family and its tiles (tests)."""
     cupy = call.xp
     acc = lse_dtype(call.dtype)
     batch = call.batch_shape
@@ -39,8 +44,11 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
         kv_dtype = call.dtype if direct[1] else acc
         q_dtype = call.dtype if direct[0] else acc
         cc, smem_limit = device_limits(call.q.device.id)
+        ragged = DENSE if packed is None else PACKED
         choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
-                                            kernel, tiles)
+                                            kernel, tiles, ragged)
+        if choice.ragged != ragged:
+            return None
         targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
                    for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
         delta = cupy.empty(call.lse_shape, acc)
@@ -72,6 +80,16 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
             launches.insert(0, (choice.magnitudes, 0, 256, chunks, 1, chunks * inner))
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
+        # a packed call's dK/dV and dQ grids: the key or query blocks of every sequence, and
+        # their tables (packed_table); the uploaded tables live until the launches are done
+        tables = {}
+        if packed is not None:
+            for expr, rows, per_block, keys in (
+                    (choice.dkdv, choice.dkdv_rows, dkdv_cols * inner, True),
+                    (choice.dq, choice.dq_rows, dq_cols * inner, False)):
+                table, blocks, units = packed_table(*packed, rows, per_block, keys)
+                table = cupy.asarray(table)
+                tables[expr] = (table, blocks, units)
         forward_fields = _attn_fields(call, extents, 0, 0, strides)
         if choice.magnitudes is not None:
             forward_fields["magnitudes"] = magnitudes.data.ptr
@@ -83,9 +101,15 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
                               **stride_fields(BACKWARD_SLOTS, strides[40:]))
             if choice.magnitudes is not None:
                 magnitudes.fill(0)
-            for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):
+            for fn, (expr, smem, threads, rows, cols, blocks) in zip(kernels, launches):
+                block["f"]["packed"] = block["f"]["num_packed"] = 0
+                if expr in tables:
+                    table, rows, blocks = tables[expr]
+                    block["f"]["packed"] = table.data.ptr
+                    block["f"]["num_packed"] = (table.size - 1) // 5
                 block["num_row_blocks"], block["num_col_tiles"] = rows, cols
-                Launch(fn, (blocks, 1), threads, smem, block)((), stream)
+                if blocks:
+                    Launch(fn, (blocks, 1), threads, smem, block)((), stream)
         grads = []
         for x, d, g in zip(inputs, direct, targets):
             if not d:

@@ -155,6 +155,9 @@ class BackwardChoice:
     # a kernel run before delta that writes the largest magnitudes of each batch entry's q,
     # k, v, dout and out into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
     magnitudes: str | None = None
+    # the RAGGED mode of the dK/dV and dQ kernels: PACKED runs a packed call in one grid
+    # each (backward_unit in common.cuh)
+    ragged: int = DENSE
 
 
 #: the delta kernel of every backward (backward.cuh): rowsum(dout * out) per query row

@@ -26,9 +26,11 @@ BACKWARD_FILE = "mma/attention_backward_mma.cu"
 FWD = Kernel("attention_fwd_mma", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
                                   "M_TILES ALIGNED MIN_BLOCKS RAGGED", defaults={"RAGGED": DENSE})
 DKDV = Kernel("attention_bwd_dkdv_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_M "
-                                        "NUM_WARPS ALIGNED MIN_BLOCKS")
+                                        "NUM_WARPS ALIGNED MIN_BLOCKS RAGGED",
+              defaults={"RAGGED": DENSE})
 DQ = Kernel("attention_bwd_dq_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_N "
-                                    "NUM_WARPS ALIGNED MIN_BLOCKS")
+                                    "NUM_WARPS ALIGNED MIN_BLOCKS RAGGED",
+            defaults={"RAGGED": DENSE})
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,8 @@ def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:
         cols = 128 if hd % 128 == 0 and hdv % 128 == 0 else 64
     g_kv, g_q = req.grad_dtypes
     common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
-                  HEAD_DIM_V=hdv, COLS=cols, ALIGNED=req.aligned)
+                  HEAD_DIM_V=hdv, COLS=cols, ALIGNED=req.aligned,
+                  RAGGED=PACKED if req.ragged == PACKED else DENSE)  # key lengths: dense
     return BackwardChoice(
         "mma", BACKWARD_FILE, DELTA(T=req.dtype),
         DKDV(**common, G=g_kv, BLOCK_M=tiles.block_m, NUM_WARPS=tiles.dkdv_warps,
@@ -173,4 +176,5 @@ def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:
         DQ(**common, G=g_q, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.dq_warps,
            MIN_BLOCKS=tiles.dq_min_blocks),
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, cols, min(cols, hd), *smem,
-        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
+        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps,
+        ragged=common["RAGGED"])

@@ -358,6 +358,37 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int b
     }
 }
 
+// The backward's work unit of a packed call (PACKED): bp with its sequence's lengths and
+// first rows of every array read or written, and the unit's index among its sequence's
+// units. KEYS: the dK/dV kernels' units (key blocks of `rows` keys; its table lists the
+// sequences with keys), else the dQ kernels' (query blocks of `rows` rows). T: the type of
+// q, k, v and dout; G: of the gradients this kernel writes (dK and dV, or dQ). DENSE: bp.
+struct BackwardUnit {
+    AttnBwdParams bp;
+    unsigned unit, units;
+};
+template <int RAGGED, bool KEYS, typename T, typename G>
+__device__ __forceinline__ BackwardUnit backward_unit(const AttnBwdParams& bp, int rows,
+                                                      unsigned unit, unsigned units) {
+    if constexpr (RAGGED != PACKED) {
+        return {bp, unit, units};
+    } else {
+        const SequenceUnit su = sequence_unit<PACKED, T, float>(bp.f, rows, unit, units);
+        BackwardUnit r{bp, su.unit, su.units};
+        r.bp.f = su.p;
+        r.bp.num_row_blocks = ((KEYS ? su.p.seqlen_k : su.p.seqlen_q) + rows - 1) / rows;
+        r.bp.dout += (long long)sizeof(T) * su.q_row0 * bp.dout_s.row;
+        r.bp.delta += (long long)sizeof(float) * su.q_row0 * bp.delta_s.row;
+        if constexpr (KEYS) {
+            r.bp.dk += (long long)sizeof(G) * su.k_row0 * bp.dk_s.row;
+            r.bp.dv += (long long)sizeof(G) * su.k_row0 * bp.dv_s.row;
+        } else {
+            r.bp.dq += (long long)sizeof(G) * su.q_row0 * bp.dq_s.row;
+        }
+        return r;
+    }
+}
+
 // The reach of the causal/window band in whole tiles. key_band: the keys [lo, hi) that query
 // rows first .. last reach (lo rounded down to a multiple of tile, so key tiles start on tile
 // boundaries); query_band: its transpose, the query rows [lo, hi) that reach keys
