@@ -224,8 +224,9 @@ def forward_instances(arch: str):
 def backward_instances(arch: str):
     """Every (filename, name expression, fast) of the backward that dispatch picks on
     ``arch``, each family forced in turn (see :func:`gate_calls`), with either gradient
-    storage (the input dtype, or the accumulator type for broadcast inputs). Fast: no bias,
-    no mask, gradients in place, aligned, dispatch's own pick."""
+    storage (the input dtype, or the accumulator type for broadcast inputs), dense and for
+    a packed call (no mask or bias). Fast: no bias, no mask, gradients in place, aligned,
+    dispatch's own pick."""
     from ._dispatch import BACKWARD_FAMILIES, _choose_backward, tf32_forward
     from .families._common import DENSE, PACKED
     cc, limit = GATE_TARGETS[arch]

@@ -148,13 +148,14 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
         units = num_m * num_dv * math.prod(extents)
     else:
         table, num_m, units = packed_table(*packed, choice.tiles.block_m,
-                                           num_dv * math.prod(extents))
+                                           num_dv * math.prod(extents),
+                                           window=(call.window_left, call.window_right))
     # a persistent instance: a block per SM (one fits), each taking units in turn
     grid = min(units, sm_count(call.q.data.device_id)) if choice.persistent else units
     fields = _attn_fields(call, extents, num_m, num_dv, strides)
     if table is not None:
         table = call.xp.asarray(table)
-        fields.update(packed=table.data.ptr, num_packed=(table.size - 1) // 5)
+        fields.update(packed=table.data.ptr, num_packed=num_m)
     if maps is None:
         launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
     else:
@@ -167,27 +168,39 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
     return launch, offset_sets(tensors, pointer_sets)
 
 
-def packed_table(q_offsets, k_offsets, block_m: int, per_block: int, keys: bool = False):
-    """(table, row blocks, work units) of a packed call whose kernel takes ``block_m``
-    query rows per block and ``per_block`` work units per query block (its batch entries
-    and output-column tiles): the int32 table of common.cuh's sequence_unit, a PackedSeq
-    (first query row, first key, query rows, keys) for each sequence with query rows, by
-    key count, longest first (the costliest blocks start first), then the first work unit
-    of each of them and the total (cum). ``keys``: the blocks are of ``block_m`` keys (the
-    backward's dK/dV kernels), the sequences those with keys, by query count."""
+def packed_table(q_offsets, k_offsets, rows: int, per_block: int, keys: bool = False,
+                 window: tuple[int, int] = (-1, -1)):
+    """(table, row blocks, work units) of a packed call whose kernel's blocks take ``rows``
+    query rows (``keys``: ``rows`` keys, the backward's dK/dV kernels) and ``per_block``
+    work units per row block (its output-column tiles x batch entries): the int32 table
+    of common.cuh's sequence_unit, a PackedBlock (the sequence's first query row, first
+    key, query rows, keys; the row block) for each row block of every sequence, costliest
+    first (the keys, or query rows, that the band (left, right) lets the block see, as
+    aligned to its sequence: the last wave then holds only cheap blocks)."""
     q_offsets, k_offsets = np.asarray(q_offsets, np.int64), np.asarray(k_offsets, np.int64)
     sq, sk = np.diff(q_offsets), np.diff(k_offsets)
-    rows, other = (sk, sq) if keys else (sq, sk)
-    active = np.flatnonzero(rows > 0)
-    order = active[np.argsort(-other[active], kind="stable")]
-    blocks = -(-rows[order] // block_m)
-    cum = np.zeros(len(order) + 1, np.int64)
-    np.cumsum(blocks * per_block, out=cum[1:])
-    if cum[-1] >= 2 ** 31:
-        raise ValueError(f"a packed call of {cum[-1]} blocks: a grid holds fewer than 2^31")
-    seqs = np.stack([q_offsets[order], k_offsets[order], sq[order], sk[order]], axis=1)
-    return (np.concatenate([seqs.ravel(), cum]).astype(np.int32), int(blocks.sum()),
-            int(cum[-1]))
+    length = sk if keys else sq
+    counts = -(-length // rows)
+    seq = np.repeat(np.arange(len(sq)), counts)          # each row block's sequence
+    block = np.arange(seq.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = block * rows
+    last = np.minimum(first + rows, length[seq]) - 1
+    off = (sk - sq)[seq]
+    left, right = window
+    if keys:  # the query rows that reach keys first .. last
+        lo = np.maximum(0, first - off - right) if right >= 0 else np.zeros_like(first)
+        hi = np.minimum(sq[seq], last - off + left + 1) if left >= 0 else sq[seq]
+    else:  # the keys that query rows first .. last reach
+        lo = np.maximum(0, first + off - left) if left >= 0 else np.zeros_like(first)
+        hi = np.minimum(sk[seq], last + off + right + 1) if right >= 0 else sk[seq]
+    order = np.argsort(-np.maximum(hi - lo, 0), kind="stable")
+    seq, block = seq[order], block[order]
+    table = np.zeros((seq.size, 8), np.int64)
+    table[:, :5] = np.stack([q_offsets[seq], k_offsets[seq], sq[seq], sk[seq], block], axis=1)
+    units = seq.size * per_block
+    if units >= 2 ** 31:
+        raise ValueError(f"a packed call of {units} blocks: a grid holds fewer than 2^31")
+    return table.astype(np.int32).ravel(), int(seq.size), units
 
 
 def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = None,

@@ -87,7 +87,8 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
             for expr, rows, per_block, keys in (
                     (choice.dkdv, choice.dkdv_rows, dkdv_cols * inner, True),
                     (choice.dq, choice.dq_rows, dq_cols * inner, False)):
-                table, blocks, units = packed_table(*packed, rows, per_block, keys)
+                table, blocks, units = packed_table(
+                    *packed, rows, per_block, keys, (call.window_left, call.window_right))
                 table = cupy.asarray(table)
                 tables[expr] = (table, blocks, units)
         forward_fields = _attn_fields(call, extents, 0, 0, strides)
@@ -106,7 +107,7 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
                 if expr in tables:
                     table, rows, blocks = tables[expr]
                     block["f"]["packed"] = table.data.ptr
-                    block["f"]["num_packed"] = (table.size - 1) // 5
+                    block["f"]["num_packed"] = rows
                 block["num_row_blocks"], block["num_col_tiles"] = rows, cols
                 if blocks:
                     Launch(fn, (blocks, 1), threads, smem, block)((), stream)

@@ -119,13 +119,19 @@ def fake_cupy(monkeypatch, emulate, expected_pointers, threads, arrays: list):
     return grids
 
 
-def packed_sequences(memory, f):
-    """The sequences of a packed call's table (AttnParams.packed, common.cuh's
-    sequence_unit): [(first query row, first key, query rows, keys)], and the first work
-    unit of each with the total."""
+def packed_blocks(memory, f):
+    """The row blocks of a packed call's table (AttnParams.packed, common.cuh's
+    PackedBlock), in the grid's order: [(first query row, first key, query rows, keys,
+    row block)]."""
     n = int(f["num_packed"])
-    table = memory.view(f["packed"], np.int32, (5 * n + 1,), (1,))
-    return [tuple(int(x) for x in row) for row in table[:4 * n].reshape(n, 4)], table[4 * n:]
+    table = memory.view(f["packed"], np.int32, (n, 8), (8, 1))
+    return [tuple(int(x) for x in row[:5]) for row in table]
+
+
+def packed_sequences(memory, f):
+    """The sequences of a packed call's table: [(first query row, first key, query rows,
+    keys)], each once, in the order of their first row block."""
+    return list(dict.fromkeys(b[:4] for b in packed_blocks(memory, f)))
 
 
 def emulate_forward(memory, dtype):
@@ -148,7 +154,7 @@ def emulate_forward(memory, dtype):
         window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
         kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
               "window": None if window == (None, None) else window}
-        sequences = packed_sequences(memory, f)[0] if f["packed"] else [(0, 0, sq, sk)]
+        sequences = packed_sequences(memory, f) if f["packed"] else [(0, 0, sq, sk)]
         for b in range(units // (f["num_m_blocks"] * f["num_dv_tiles"])):
             keys = None
             if lengths:

@@ -184,9 +184,10 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
 def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
     """A packed call that a family with packed instances serves is one launch over every
     sequence, through a CuPy stand-in on host memory (emulated forward kernel): its table
-    holds the sequences with query rows, longest key count first, and the first work unit
-    of each (its query blocks x batch entries); the results are the float64 reference's."""
-    from _hostdev import Memory, fake_gpu, fields, packed_sequences
+    holds every query block of every sequence once, costliest first (the keys its causal
+    band reaches), and the grid has a block per query block and batch entry; the results
+    are the float64 reference's."""
+    from _hostdev import Memory, fake_gpu, fields, packed_blocks
 
     from cuattn import _gpu
     if family != "sm90":
@@ -217,13 +218,17 @@ def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
     assert choice.ragged == PACKED and choice.family == family
     assert choice.name_expression.endswith(", 1>")
     f = fields(block)
-    sequences, cum = packed_sequences(Memory(arrays), f)
-    active = [s for s in range(6) if lens_q[s]]
-    order = sorted(active, key=lambda s: -lens_k[s])  # stable: ties keep their order
-    assert sequences == [(qo[s], ko[s], lens_q[s], lens_k[s]) for s in order]
-    per_entry = [-(-lens_q[s] // choice.tiles.block_m) for s in order]
-    assert list(np.diff(cum)) == [n * 2 * 4 for n in per_entry]  # batch 2 x 4 heads
-    assert cum[0] == 0 and grid[0] == cum[-1] and f["num_m_blocks"] == sum(per_entry)
+    blocks = packed_blocks(Memory(arrays), f)
+    bm = choice.tiles.block_m
+    want = {(qo[s], ko[s], lens_q[s], lens_k[s], r)
+            for s in range(6) for r in range(-(-lens_q[s] // bm))}
+    assert sorted(blocks) == sorted(want)  # each query block once
+
+    def reach(q0, k0, sq, sk, r):  # keys of the causal band from the block's last row
+        return min(sk, min(sq, (r + 1) * bm) - 1 + sk - sq + 1)
+    costs = [max(0, reach(*x)) for x in blocks]
+    assert costs == sorted(costs, reverse=True)
+    assert grid[0] == len(blocks) * 2 * 4 and f["num_m_blocks"] == len(blocks)  # x 2 x 4
     mask = packed_mask(qo, ko, (-1, 0))
     ref, ref_lse = attention_reference(q, k, v, mask=mask, softcap=5.0)
     assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask, softcap=5.0))

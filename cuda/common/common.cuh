@@ -184,7 +184,7 @@ struct AttnParams {
     // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
     // the others), written per call
     long long magnitudes;
-    // a packed call's sequences (PackedSeq, below): device address and count; 0 for a dense call
+    // a packed call's row blocks (PackedBlock, below): device address and count; 0 for a dense call
     long long packed, num_packed;
     // key lengths (KEY_LENGTHS, below): bytes per length (4 or 8), and the first key of this
     // call's chunk of the keys: k_lengths_from + (index along batch axis 2) x k_lengths_step
@@ -266,14 +266,13 @@ struct ForwardBlock {
     const unsigned char* mask;
     const BiasT* bias;
 };
-// forward_block_at: the same for work unit idx of `units` (block_coords_at).
+// forward_block_for: the same for row block `row_block` of batch entry b.
 template <typename T, typename BiasT>
-__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnParams& p,
-                                                                  int block_m, unsigned idx,
-                                                                  unsigned units) {
-    const BlockCoords blk = block_coords_at(idx, units, p.num_m_blocks, 1,
-                                            p.window_left >= 0 || p.window_right >= 0, true);
-    const long long b = blk.b, m0 = blk.row_block * block_m;
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_for(const AttnParams& p,
+                                                                   int block_m,
+                                                                   long long row_block,
+                                                                   long long b) {
+    const long long m0 = row_block * block_m;
     return {b,
             m0,
             reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) +
@@ -284,6 +283,15 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnPar
                          batch_offset(p.mask_s, b, p.batch1, p.batch2) : nullptr,
             p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
                          batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr};
+}
+// forward_block_at: the same for work unit idx of `units` (block_coords_at).
+template <typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnParams& p,
+                                                                  int block_m, unsigned idx,
+                                                                  unsigned units) {
+    const BlockCoords blk = block_coords_at(idx, units, p.num_m_blocks, 1,
+                                            p.window_left >= 0 || p.window_right >= 0, true);
+    return forward_block_for<T, BiasT>(p, block_m, blk.row_block, blk.b);
 }
 template <typename T, typename BiasT>
 __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
@@ -296,27 +304,31 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams
 // grid over the work units of every sequence; or key lengths (k_lengths), a dense grid
 // whose batch entries each have their own key count.
 enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2 };
-// PACKED: p.packed holds, in device memory, a PackedSeq for each of the p.num_packed
-// sequences that have query rows (Python orders them by key count, longest first, so that
-// the costliest blocks start first), then int cum[num_packed + 1]: sequence i owns the
-// grid's units cum[i] .. cum[i + 1] - 1 (its query blocks x batch entries, cum[0] = 0).
-// p.seqlen_q and p.seqlen_k are the packed totals (the tensor maps' rows).
-struct PackedSeq {
-    int q_row0, k_row0, seqlen_q, seqlen_k;
+// PACKED: p.packed holds, in device memory, a PackedBlock for each of the p.num_packed row
+// blocks of the kernel (query blocks, or the backward's key blocks) over every sequence, in
+// the order the grid takes them (Python deals them by cost, costliest first); work unit u
+// is row block u % num_packed of index u / num_packed among the row block's units (its
+// output-column tiles x batch entries). p.seqlen_q and p.seqlen_k are the packed totals
+// (the tensor maps' rows).
+struct PackedBlock {
+    int q_row0, k_row0, seqlen_q, seqlen_k;  // the sequence's first rows and lengths
+    int row_block, pad0, pad1, pad2;         // the block within it
 };
 // A block's work unit as a dense call of its own: p with the unit's lengths (PACKED: its
 // sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS: its batch entry's
-// key count), the unit's index among its sequence's units, and the sequence's first rows
-// (for the tensor maps, which span the packed totals). DENSE: p itself. T: the type of q,
-// k, v and out; AccT: of the lse.
+// key count) and the unit: DENSE and KEY_LENGTHS: its index among `units` (block_coords_at);
+// PACKED: its row block and its index among that row block's units (`rest`), and the
+// sequence's first rows (for the tensor maps, which span the packed totals). T: the type
+// of q, k, v and out; AccT: of the lse.
 struct SequenceUnit {
     AttnParams p;
     unsigned unit, units;
+    long long row_block, rest;
     int q_row0, k_row0;
 };
 template <int RAGGED, typename T, typename AccT>
-__device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int block_m,
-                                                      unsigned unit, unsigned units) {
+__device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, unsigned unit,
+                                                      unsigned units) {
     if constexpr (RAGGED == KEY_LENGTHS) {
         // batch entry b's keys: k_lengths[b] (int32 or int64, by k_lengths_size) less the
         // first key of this call's chunk of them, k_lengths_from + (b's index along batch
@@ -328,55 +340,59 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int b
                                  ? reinterpret_cast<const long long*>(p.k_lengths)[at]
                                  : (long long)reinterpret_cast<const int*>(p.k_lengths)[at]) -
                             p.k_lengths_from - (b % p.batch2) * p.k_lengths_step;
-        SequenceUnit r{p, unit, units, 0, 0};
+        SequenceUnit r{p, unit, units, 0, 0, 0, 0};
         r.p.seqlen_k = min(max(n, 0LL), p.seqlen_k);
         return r;
     } else if constexpr (RAGGED == PACKED) {
-        const int n = (int)p.num_packed;
-        const PackedSeq* seqs = reinterpret_cast<const PackedSeq*>(p.packed);
-        const int* cum = reinterpret_cast<const int*>(seqs + n);
-        int lo = 0, hi = n - 1;  // the last sequence whose first unit is at most `unit`
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if ((unsigned)cum[mid] <= unit) lo = mid;
-            else hi = mid - 1;
-        }
-        const PackedSeq s = seqs[lo];
-        SequenceUnit r{p, unit - (unsigned)cum[lo], (unsigned)(cum[lo + 1] - cum[lo]), s.q_row0,
-                       s.k_row0};
-        r.p.seqlen_q = s.seqlen_q;
-        r.p.seqlen_k = s.seqlen_k;
-        r.p.num_m_blocks = (s.seqlen_q + block_m - 1) / block_m;
-        r.p.q += (long long)sizeof(T) * s.q_row0 * p.q_s.row;
-        r.p.k += (long long)sizeof(T) * s.k_row0 * p.k_s.row;
-        r.p.v += (long long)sizeof(T) * s.k_row0 * p.v_s.row;
-        r.p.out += (long long)sizeof(T) * s.q_row0 * p.out_s.row;
-        if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.q_row0 * p.lse_s.row;
+        const unsigned n = (unsigned)p.num_packed;
+        const int4* at = reinterpret_cast<const int4*>(p.packed) + 2 * (unit % n);
+        const int4 s = at[0], blk = at[1];  // PackedBlock: two independent loads
+        SequenceUnit r{p, unit, units, blk.x, unit / n, s.x, s.y};
+        r.p.seqlen_q = s.z;
+        r.p.seqlen_k = s.w;
+        r.p.q += (long long)sizeof(T) * s.x * p.q_s.row;
+        r.p.k += (long long)sizeof(T) * s.y * p.k_s.row;
+        r.p.v += (long long)sizeof(T) * s.y * p.v_s.row;
+        r.p.out += (long long)sizeof(T) * s.x * p.out_s.row;
+        if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.x * p.lse_s.row;
         return r;
     } else {
-        return {p, unit, units, 0, 0};
+        return {p, unit, units, 0, 0, 0, 0};
     }
 }
 
+// A forward block's work: forward_block_at (DENSE, KEY_LENGTHS), or the row block and
+// batch entry a packed block names (PACKED).
+template <int RAGGED, typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_of(const AttnParams& p,
+                                                                   const SequenceUnit& su,
+                                                                   int block_m) {
+    if constexpr (RAGGED == PACKED)
+        return forward_block_for<T, BiasT>(p, block_m, su.row_block, su.rest);
+    else
+        return forward_block_at<T, BiasT>(p, block_m, su.unit, su.units);
+}
+
 // The backward's work unit of a packed call (PACKED): bp with its sequence's lengths and
-// first rows of every array read or written, and the unit's index among its sequence's
-// units. KEYS: the dK/dV kernels' units (key blocks of `rows` keys; its table lists the
-// sequences with keys), else the dQ kernels' (query blocks of `rows` rows). T: the type of
-// q, k, v and dout; G: of the gradients this kernel writes (dK and dV, or dQ). DENSE: bp.
+// first rows of every array read or written, and its coordinates (row block, column tile,
+// batch entry). KEYS: the dK/dV kernels' units (key blocks), else the dQ kernels' (query
+// blocks). T: the type of q, k, v and dout; G: of the gradients this kernel writes (dK and
+// dV, or dQ). DENSE: bp, and the coordinates of block_coords_at (heavy_last as there).
 struct BackwardUnit {
     AttnBwdParams bp;
-    unsigned unit, units;
+    BlockCoords blk;
 };
 template <int RAGGED, bool KEYS, typename T, typename G>
-__device__ __forceinline__ BackwardUnit backward_unit(const AttnBwdParams& bp, int rows,
-                                                      unsigned unit, unsigned units) {
+__device__ __forceinline__ BackwardUnit backward_unit(const AttnBwdParams& bp, bool heavy_last) {
     if constexpr (RAGGED != PACKED) {
-        return {bp, unit, units};
+        return {bp, block_coords_at(blockIdx.x, gridDim.x, bp.num_row_blocks, bp.num_col_tiles,
+                                    bp.f.window_left >= 0 || bp.f.window_right >= 0,
+                                    heavy_last)};
     } else {
-        const SequenceUnit su = sequence_unit<PACKED, T, float>(bp.f, rows, unit, units);
-        BackwardUnit r{bp, su.unit, su.units};
+        const SequenceUnit su = sequence_unit<PACKED, T, float>(bp.f, blockIdx.x, gridDim.x);
+        const long long cols = bp.num_col_tiles;
+        BackwardUnit r{bp, {su.row_block, su.rest % cols, su.rest / cols}};
         r.bp.f = su.p;
-        r.bp.num_row_blocks = ((KEYS ? su.p.seqlen_k : su.p.seqlen_q) + rows - 1) / rows;
         r.bp.dout += (long long)sizeof(T) * su.q_row0 * bp.dout_s.row;
         r.bp.delta += (long long)sizeof(float) * su.q_row0 * bp.delta_s.row;
         if constexpr (KEYS) {

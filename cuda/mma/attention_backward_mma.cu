@@ -52,8 +52,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                   "column tiles are multiples of 64 that divide the padded head dims");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     // a packed call's block: its sequence as a dense call (common.cuh)
-    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, BLOCK_N, blockIdx.x,
-                                                              gridDim.x);
+    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, false);
     const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
@@ -68,9 +67,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
-    const BlockCoords blk =
-        block_coords_at(bu.unit, bu.units, bp.num_row_blocks, bp.num_col_tiles,
-                        bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const BlockCoords blk = bu.blk;
     const long long n_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long n0 = n_block * BLOCK_N;
     const int c0 = (int)col_tile * COLS;
@@ -169,8 +166,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                   "head dims are padded to multiples of 64, key tiles to multiples of 16");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     // a packed call's block: its sequence as a dense call (common.cuh)
-    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, BLOCK_M, blockIdx.x,
-                                                               gridDim.x);
+    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, true);
     const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
@@ -183,9 +179,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const BlockCoords blk =
-        block_coords_at(bu.unit, bu.units, bp.num_row_blocks, bp.num_col_tiles,
-                        bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const BlockCoords blk = bu.blk;
     const long long m_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
     const int c0 = (int)col_tile * DQ_COLS;

@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     // the mask and bias tiles of a query tile, staged with its Q and dO (mma_tiles.cuh)
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, true>;
     // a packed call's block: its sequence as a dense call (common.cuh)
-    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, 64, blockIdx.x, gridDim.x);
+    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, false);
     const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
@@ -232,9 +232,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
-    const BlockCoords blk =
-        block_coords_at(bu.unit, bu.units, bp.num_row_blocks, bp.num_col_tiles,
-                        bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const BlockCoords blk = bu.blk;
     const long long n_block = blk.row_block, b = blk.b;
     const long long n0 = n_block * BLOCK_N;
 
@@ -341,7 +339,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     // the mask and bias tiles of a key tile, staged with its K and V (mma_tiles.cuh)
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
     // a packed call's block: its sequence as a dense call (common.cuh)
-    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, 64, blockIdx.x, gridDim.x);
+    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, true);
     const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
@@ -356,9 +354,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const BlockCoords blk =
-        block_coords_at(bu.unit, bu.units, bp.num_row_blocks, bp.num_col_tiles,
-                        bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const BlockCoords blk = bu.blk;
     const long long m_block = blk.row_block, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
 
