@@ -225,9 +225,6 @@ __global__ void __launch_bounds__(3 * 128, 1)
     // bias tiles), the consumers take the rest of the block's allocation at launch (384
     // threads x 168)
     constexpr bool RAGGED_KEYS = RAGGED != DENSE;  // keys end before the maps' rows do
-    // RAGGED: the producer warp that copies a last V tile reaching past the keys' end
-    // (unless every producer thread stages mask and bias tiles, and copies it with them)
-    constexpr int TAIL_THREADS = 32;
     constexpr int PRODUCER_REGS = SIDE || RAGGED_KEYS ? 40 : 24,
                   CONSUMER_REGS = SIDE || RAGGED_KEYS ? 232 : 240;
     static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536,
@@ -279,9 +276,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
         mbar_init(q_full, 1);
         mbar_init(q_empty, NUM_WG * 4);  // a lane of each consumer warp
         // a slot is full with the copy engine's bytes, and the staged tiles of every
-        // producer thread (RAGGED: or a last V tile from the tail warp)
-        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4,
-                                   staged ? 1 + 128 : RAGGED_KEYS ? 1 + TAIL_THREADS : 1);
+        // producer thread (RAGGED: or their part of a last V tile)
+        init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged || RAGGED_KEYS ? 1 + 128 : 1);
         fence_mbar_init();
     }
     __syncthreads();  // the barriers ready for everyone: the copies start now
@@ -290,8 +286,11 @@ __global__ void __launch_bounds__(3 * 128, 1)
         setmaxnreg_dec<PRODUCER_REGS>();
         const int tid = threadIdx.x - NUM_WG * 128;
         const bool copier = tid == 0;  // the lane that issues the bulk tensor copies
-        const bool tail_warp = RAGGED_KEYS && !staged && tid / 32 == 1;
-        if (!copier && !staged && !tail_warp) return;
+        // RAGGED: the other producer threads copy a last V tile that reaches past the keys'
+        // end with the copier, and only that tile (unless they stage every tile's mask and
+        // bias tiles, and copy it with them)
+        const bool tail_only = RAGGED_KEYS && !staged && !copier;
+        if (!copier && !staged && !tail_only) return;
         if (copier) {
             prefetch_tensor_map(&w.q_map);
             prefetch_tensor_map(&w.k_map);
@@ -325,9 +324,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 const bool v_by_threads = RAGGED_KEYS && n0 + BLOCK_N > p.seqlen_k;
                 if (copier) {
                     mbar_expect_tx(bar, v_by_threads ? K_BYTES : SLOT_BYTES);
-                    // the tail warp's arrivals, where it has no V to copy
-                    if (RAGGED_KEYS && !staged && !v_by_threads)
-                        mbar_arrive_count(bar, TAIL_THREADS);
+                    // the arrivals of every producer thread, where they copy nothing
+                    if (RAGGED_KEYS && !staged && !v_by_threads) mbar_arrive_count(bar, 128);
                     const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
 #pragma unroll
                     for (int g = 0; g < HEAD_DIM / 64; ++g)
@@ -339,26 +337,19 @@ __global__ void __launch_bounds__(3 * 128, 1)
                             tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, row,
                                      vb.c2, vb.c1, vb.c0, bar);
                 }
-                if (staged) {
-                    if (v_by_threads)
-                        load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
-                            reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
-                            un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col,
-                            p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
-                    side.request(s, m0, n0, tid);
-                    cp_async_arrive(bar);
-                }
+                if (v_by_threads)
+                    load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
+                        reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
+                        un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col,
+                        p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
+                if (staged) side.request(s, m0, n0, tid);
+                if (staged || v_by_threads) cp_async_arrive(bar);
             };
-            if (tail_warp) {  // only the last tile's V, where it reaches past the keys' end
-                const int t = un.tiles - 1, n0 = un.n_lo + t * BLOCK_N, g = ring + t,
-                          s = g % STAGES;  // the slot and fill of produce_tiles
-                if (t < 0 || n0 + BLOCK_N <= p.seqlen_k) return 0;
-                if (g >= STAGES) mbar_wait(empty + 8 * s, (g / STAGES - 1) & 1);
-                load_tile<BLOCK_N, HEAD_DIM_V, TAIL_THREADS, true>(
-                    reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
-                    un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                    p.head_dim_v, Sw128<BLOCK_N>(), tid - 32);
-                cp_async_arrive(full + 8 * s);
+            if (tail_only) {  // the last tile alone, where its V reaches past the keys' end
+                const int t = un.tiles - 1, g = ring + t;  // its fill in produce_tiles
+                if (t < 0 || un.n_lo + t * BLOCK_N + BLOCK_N <= p.seqlen_k) return 0;
+                if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
+                fill(t, g % STAGES, full + 8 * (g % STAGES));
                 return 0;
             }
             // PERSISTENT: the unit's first tiles while the consumers finish the last unit
@@ -372,7 +363,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
             return un.tiles;
         };
         for_each_unit<PERSISTENT>(units, produce);
-        if (staged || tail_warp) cp_async_wait_all();  // no copy outlives its thread
+        if (staged || tail_only) cp_async_wait_all();  // no copy outlives its thread
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
