@@ -160,11 +160,12 @@ def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:
     tiles, smem = first_fit(cands, lambda t: mma_backward_smem_bytes(t, hd, hdv), req,
                             "mma backward")
     # output columns per block: all up to 128, else 128- or 64-column tiles that divide
-    # both padded head dims
+    # both padded head dims (64 for a packed call: its sequence's registers and 128 columns
+    # of dK and dV spill 8 to 28 bytes)
     if max(hd, hdv) <= 128:
         cols = max(hd, hdv)
     else:
-        cols = 128 if hd % 128 == 0 and hdv % 128 == 0 else 64
+        cols = 128 if hd % 128 == 0 and hdv % 128 == 0 and req.ragged != PACKED else 64
     g_kv, g_q = req.grad_dtypes
     common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                   HEAD_DIM_V=hdv, COLS=cols, ALIGNED=req.aligned,

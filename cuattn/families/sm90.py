@@ -293,10 +293,11 @@ def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: b
 def backward(req: Request, tiles: Sm90BwdTiles | None = None) -> BackwardChoice:
     hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
     cands = candidates(SM90_BACKWARD_TILES, req, tiles)
-    if tiles is None and (req.bias_dtype is not None or req.has_mask):
+    if tiles is None and (req.bias_dtype is not None or req.has_mask or req.ragged == PACKED):
         # lse and delta a request ahead only where measured faster: with a mask and a bias
         # both its D64 and D128 forms run 2-3 % slower, their instances spilling more
-        # (D128: 168 / 228 bytes against 68 / 108)
+        # (D128: 168 / 228 bytes against 68 / 108); a packed call's sequence takes the
+        # registers (D128: 32 bytes spill with them)
         cands = tuple(replace(c, dkdv_stats_ahead=False) for c in cands)
     bias_size = itemsize(req.bias_dtype)
     tiles, smem = first_fit(
