@@ -504,7 +504,7 @@ def test_gpu_packed_sequences_do_not_read_their_neighbours(instance):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["sm90", "mma"])
+@pytest.mark.parametrize("family", ["mma"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("window", ["full", "causal", "window"])
 def test_gpu_packed_backward_in_one_grid(family, d, window):
@@ -515,8 +515,6 @@ def test_gpu_packed_backward_in_one_grid(family, d, window):
 
     from cuattn import _gpu_backward
     from cuattn._checks import check_attention
-    if family == "sm90" and d > 128:
-        pytest.skip("the sm90 backward holds head dims to 128")
     rng = np.random.default_rng(30 + d)
     lens_q = [3, 0, 130, 1, 70, 129, 64, 200, 5]
     lens_k = [4, 2, 0, 300, 65, 129, 1, 128, 0]
@@ -673,3 +671,21 @@ def test_docs_page_examples():
     result = doctest.testfile(str(page), module_relative=False,
                               optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 8 and result.failed == 0
+
+
+def test_packed_backward_dispatch():
+    """On Hopper a packed backward takes the mma family's packed dK/dV and dQ kernels (the
+    sm90 ones would spill with the sequence's registers), a dense one the sm90 family's;
+    float32 has no packed backward (its sequences run as dense calls)."""
+    from cuattn import _dispatch as d
+    from cuattn.families._common import DENSE
+
+    def choose(dtype, ragged):
+        return d._choose_backward(np.dtype(dtype), 128, 128, None, False,
+                                  (np.dtype(dtype),) * 2, True, (9, 0), 232448, None, None,
+                                  "highest" if dtype == np.float32 else None, False, ragged)
+    packed = choose(BF16, PACKED)
+    assert packed.family == "mma" and packed.ragged == PACKED
+    assert packed.dkdv.endswith(", 1>") and packed.dq.endswith(", 1>")
+    assert choose(BF16, DENSE).family == "sm90" and choose(BF16, DENSE).ragged == DENSE
+    assert choose(np.float32, PACKED).ragged == DENSE
