@@ -3,9 +3,8 @@
 On the GPU, a packed call whose kernel family has packed instances is one grid over every
 sequence (``_gpu.forward_packed``), and a call with key lengths whose family has instances
 that read them is one dense call (``_gpu.forward_lengths``). Otherwise a packed call is one
-dense call per sequence:
-rows ``q_offsets[s]:q_offsets[s+1]`` against keys ``k_offsets[s]:k_offsets[s+1]``, written
-into its rows of the output and of the lse.
+dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against keys
+``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
 A call with ``k_lengths`` is one dense call per run of equal entries of the lengths array
 (neighbours along one batch axis): the batch entries of the run, against their first
 ``k_lengths[b]`` keys. Each dense call is
