@@ -218,9 +218,12 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
         def __init__(self, fn, grid, threads, shared_mem, block, pointers=(), per_call=None,
                      maps=None):
             self.fn, self.grid, self.block, self.maps = fn, grid, block, maps
+            self.slots = pointers
             self.bytes = memoryview(bytearray(block.nbytes))
 
         def __call__(self, pointers, stream, *per_call):
+            # the real Launch packs exactly one pointer per slot
+            assert len(pointers) == len(self.slots), (self.fn, len(pointers), self.slots)
             launches.append((self.fn, tuple(pointers), stream))
             if self.maps is not None:
                 self.maps.write(self.bytes, pointers[:3])
