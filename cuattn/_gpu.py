@@ -125,7 +125,7 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
     into the kernel's three (one launch), else each launch's offsets from the slots' base
     pointers (:class:`~cuattn._launch.LaunchLoop`). ``prepared``: as for
     :func:`_forward_tensors`. ``packed``: a packed call's (q_offsets, k_offsets) in host
-    memory, for an instance that runs them in one grid (KernelChoice.packed); its table
+    memory, for an instance that runs them in one grid (KernelChoice.ragged); its table
     (:func:`packed_table`) is uploaded here and the Launch holds it."""
     tensors = _forward_tensors(call, out, lse, prepared)
     extents, strides, pointer_sets = layout(call.batch_shape, tensors)

@@ -239,12 +239,13 @@ def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
 
 @pytest.mark.parametrize("where", ["host", "device int32", "device int64", "device uint16"])
 @pytest.mark.parametrize("window", ["full", "causal", "window"])
-def test_gpu_key_lengths_read_by_the_kernels(where, window, monkeypatch):
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_gpu_key_lengths_read_by_the_kernels(where, window, with_mask, monkeypatch):
     """Key lengths that the kernels read (KEY_LENGTHS instances), through a CuPy stand-in on
     host memory: one launch of the key-lengths instance with the lengths' address and no
-    mask (query groups sharing their keys folded into rows where the band allows); the
-    results are the float64 reference's under the lengths' mask, each band aligned to its
-    entry's length."""
+    mask but the call's own (query groups sharing their keys folded into rows where the
+    band allows); the results are the float64 reference's under the lengths' mask joined
+    to the call's, each band aligned to its entry's length."""
     from _hostdev import fake_gpu
 
     arrays, launches = [], []
@@ -262,14 +263,18 @@ def test_gpu_key_lengths_read_by_the_kernels(where, window, monkeypatch):
     if where != "host":
         lengths = on_device(lengths.astype(where.split()[1]))
     band = WINDOWS[window]
+    given = rng.random(300) > 0.3 if with_mask else None  # a key-padding mask of its own
+    kw = {"mask": on_device(given)} if with_mask else {}
     out, lse = cuattn.attention(on_device(q), on_device(k), on_device(v), k_lengths=lengths,
-                                return_lse=True, **_window_kw(band))
+                                return_lse=True, **_window_kw(band), **kw)
     assert len(launches) == 1
     fn, pointers, _ = launches[0]
     assert fn.startswith("attention_fwd_sm90<") and fn.endswith(", 2>")
-    assert pointers[5] == 0 and pointers[7] != 0  # no mask; the lengths' address
+    assert (pointers[5] != 0) == with_mask and pointers[7] != 0  # the lengths' address
     host = np.asarray(lengths).astype(np.int64)
     mask = lengths_mask(host, (2, 3), 5, 300, band)
+    if with_mask:
+        mask = mask & given
     ref, ref_lse = attention_reference(q, k, v, mask=mask)
     assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask))
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))

@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
     constexpr bool SIDE = STAGE_SIDE && (HAS_MASK || !is_same_v<BiasT, NoBias>);
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, 128, false>;
     // registers per thread: the producer keeps 24 (40 where it also copies the mask and
-    // bias tiles), the consumers take the rest of the block's allocation at launch (384
-    // threads x 168)
+    // bias tiles, or a ragged call's last V tile), the consumers take the rest of the
+    // block's allocation at launch (384 threads x 168)
     constexpr bool RAGGED_KEYS = RAGGED != DENSE;  // keys end before the maps' rows do
     constexpr int PRODUCER_REGS = SIDE || RAGGED_KEYS ? 40 : 24,
                   CONSUMER_REGS = SIDE || RAGGED_KEYS ? 232 : 240;
