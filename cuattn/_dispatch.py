@@ -243,9 +243,14 @@ def tf32_forward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc,
 def mma_aligned(call: AttentionCall) -> bool:
     """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
     chunks? Unit column strides, every other stride a multiple of 16 bytes, 16-byte aligned
-    pointers, head dims multiples of 16 bytes (8 elements of 16 bits, 4 of float32)."""
+    pointers, head dims multiples of 16 bytes (8 elements of 16 bits, 4 of float32); paged
+    keys and values (call.pages): their pools' page and row strides too."""
     vec = 16 // call.dtype.itemsize
     if call.head_dim % vec or call.head_dim_v % vec:
+        return False
+    pages = call.pages
+    if pages is not None and any(s % vec for s in (pages.k_page, pages.v_page, pages.k_row,
+                                                   pages.v_row)):
         return False
     return all(_aligned(x) for x in (call.q, call.k, call.v))
 

@@ -186,16 +186,16 @@ def gate_calls(family):
 def forward_instances(arch: str):
     """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
     forced in turn as the tests do (see :func:`gate_calls`), dense, with packed sequences
-    (no mask or bias) and with key lengths. Fast: without mask and bias, aligned, and
-    dispatch's own pick (not only a forced family's): these must not spill."""
+    (no mask or bias), with key lengths and with paged keys. Fast: without mask and bias,
+    aligned, and dispatch's own pick (not only a forced family's): these must not spill."""
     from ._dispatch import FAMILIES, _choose
-    from .families._common import DENSE, KEY_LENGTHS, PACKED
+    from .families._common import DENSE, KEY_LENGTHS, PACKED, PAGED
     from .families.sm90_tf32 import PREPARATIONS
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in FAMILIES:
         for (dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast), ragged in \
-                itertools.product(gate_calls(family), (DENSE, PACKED, KEY_LENGTHS)):
+                itertools.product(gate_calls(family), (DENSE, PACKED, KEY_LENGTHS, PAGED)):
             if ragged == PACKED and (has_mask or bias_dtype is not None):
                 continue
             choice = _choose(dtype, d, dv, bias_dtype, has_mask, aligned, cc, limit,

@@ -35,30 +35,37 @@ from ._launch import (
 )
 from ._params import block_dtype, new_block
 from ._tma import TensorMaps, map_shape
-from .families._common import DENSE, KEY_LENGTHS, PACKED
+from .families._common import DENSE, KEY_LENGTHS, PACKED, PAGED
 from .merge import stacked_plan
 
 __all__ = ["forward", "forward_parts", "repeated_call"]
 
 #: the forward's parameter-block slots (AttnParams), in order: a call writes their pointers
-FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias", "k_lengths")
+FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias", "k_lengths", "pages")
 
 
 def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
-    """The arrays of the forward's eight parameter-block slots, in slot order: q, k, v, out,
-    lse, mask, bias, k_lengths (None where absent)."""
-    return call.q, call.k, call.v, out, lse, call.mask, call.bias, call.k_lengths
+    """The arrays of the forward's nine parameter-block slots, in slot order: q, k, v, out,
+    lse, mask, bias, k_lengths, pages (the page table; None where absent)."""
+    return (call.q, call.k, call.v, out, lse, call.mask, call.bias, call.k_lengths,
+            None if call.pages is None else call.pages.table)
 
 
 def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
-    """The forward's eight parameter-block slots: (array, strides over batch + its two last
+    """The forward's nine parameter-block slots: (array, strides over batch + its two last
     axes), in :func:`_forward_arrays` order (key lengths: the batch axes and two of size
-    1). ``prepared``: the (k, v) slots' entries of prepared operands
-    (:func:`_prepared_plan`) in place of call.k and call.v."""
+    1; the page table: the batch axes, one of size 1 and its pages). ``prepared``: the (k,
+    v) slots' entries of prepared operands (:func:`_prepared_plan`) in place of call.k and
+    call.v. Paged keys and values (call.pages): k and v with the row strides of their
+    pools' pages."""
     batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
-    q, k, v, out, lse, mask, bias, lengths = _forward_arrays(call, out, lse)
+    q, k, v, out, lse, mask, bias, lengths, table = _forward_arrays(call, out, lse)
     kv = prepared or [(k, broadcast_strides(k, batch + k.shape[-2:])),
                       (v, broadcast_strides(v, batch + v.shape[-2:]))]
+    if table is not None:
+        pages = call.pages
+        for (_, strides), row in zip(kv, (pages.k_row, pages.v_row)):
+            strides[-2] = row
     return [
         (q, broadcast_strides(q, batch + q.shape[-2:])),
         *kv,
@@ -68,6 +75,8 @@ def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
         (bias, bias is not None and broadcast_strides(bias, batch + sq_sk)),
         (lengths, lengths is not None and broadcast_strides(lengths[..., None, None],
                                                             batch + (1, 1))),
+        (table, table is not None and broadcast_strides(table[..., None, :],
+                                                        batch + (1, table.shape[-1]))),
     ]
 
 
@@ -75,18 +84,21 @@ def _attn_fields(call: AttentionCall, extents, num_m: int, num_dv: int, strides)
     """The fields of AttnParams other than its pointers and ``magnitudes``, by name:
     ``extents`` and ``strides`` from :func:`~cuattn._launch.layout`, ``num_m`` query blocks
     and ``num_dv`` output-column tiles of the grid."""
-    lengths = call.k_lengths
+    lengths, pages = call.k_lengths, call.pages
+    paging = {} if pages is None else dict(page_size=pages.page_size, num_pages=pages.num_pages,
+                                           k_page=pages.k_page, v_page=pages.v_page)
     return dict(batch1=extents[1], batch2=extents[2], seqlen_q=call.seqlen_q,
                 seqlen_k=call.seqlen_k, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
                 window_left=call.window_left, window_right=call.window_right,
-                num_m_blocks=num_m, num_dv_tiles=num_dv, scale=call.scale,
-                softcap=call.softcap, **stride_fields(FORWARD_SLOTS, strides[:40]),
+                num_m_blocks=num_m, num_dv_tiles=num_dv, scale=call.scale, softcap=call.softcap,
+                **stride_fields(FORWARD_SLOTS, strides[:5 * len(FORWARD_SLOTS)]),
                 k_lengths_size=0 if lengths is None else lengths.itemsize,
-                k_lengths_from=call.k_lengths_from, k_lengths_step=call.k_lengths_step)
+                k_lengths_from=call.k_lengths_from, k_lengths_step=call.k_lengths_step,
+                **paging)
 
 
 def _forward_launch(fn, grid: int, threads: int, shared_mem: int, fields: dict) -> Launch:
-    """A forward kernel's Launch: a call writes its eight pointers (FORWARD_SLOTS) and may
+    """A forward kernel's Launch: a call writes its nine pointers (FORWARD_SLOTS) and may
     write ``magnitudes``."""
     return Launch(fn, (grid, 1), threads, shared_mem, new_block("AttnParams", **fields),
                   pointers=FORWARD_SLOTS, per_call="magnitudes")
@@ -113,7 +125,8 @@ def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int, l
     q, k, v = call.q, call.k, call.v
     return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
             _signature(call.bias), _signature(call.out), _signature(lse),
-            _signature(call.k_lengths), call.k_lengths_from, call.k_lengths_step, call.scale,
+            _signature(call.k_lengths), call.k_lengths_from, call.k_lengths_step,
+            None if call.pages is None else call.pages.key(), call.scale,
             call.softcap, call.window_left, call.window_right, call.precision, call.return_lse,
             q.data.ptr % 16, k.data.ptr % 16, v.data.ptr % 16, kernel, tiles, chunks,
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
@@ -233,20 +246,41 @@ def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = N
     return True
 
 
+def _ragged_mode(call: AttentionCall) -> int:
+    """The RAGGED mode of a dense call's instance: KEY_LENGTHS with key lengths, PAGED with
+    paged keys and values read in place, else DENSE."""
+    if call.k_lengths is None:
+        return DENSE
+    return KEY_LENGTHS if call.pages is None else PAGED
+
+
+def serves_paged(call: AttentionCall, kernel: str | None = None) -> bool:
+    """Whether dispatch's family for a validated CuPy call has an instance that reads paged
+    keys and values in place (PAGED)."""
+    cc, smem_limit = device_limits(call.q.data.device_id)
+    return _dispatch.forward_kernel(call, cc, smem_limit, kernel, None, PAGED).ragged == PAGED
+
+
 def forward_lengths(call: AttentionCall, lengths, kernel: str | None = None, tiles=None):
     """``(out, lse)`` of a validated CuPy call whose batch entries have key lengths
     (``lengths``: host, broadcast to the batch shape, within 0 .. Sk; or a CuPy integer
     array broadcastable to it, clipped by the kernels), read by the kernels
-    (KEY_LENGTHS): one dense call, folded and split as any other; None where dispatch's
-    family has no such instance. ``kernel`` and ``tiles`` as for :func:`forward`."""
+    (KEY_LENGTHS, or PAGED for paged keys and values, call.pages): one dense call, folded
+    and split as any other; None where dispatch's family has no such instance (never for
+    paged keys, which :func:`serves_paged` checked). ``kernel`` and ``tiles`` as for
+    :func:`forward`."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
             return forward_lengths(call, lengths, kernel, tiles)
     cc, smem_limit = device_limits(device_id)
-    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, KEY_LENGTHS)
-    if choice.ragged != KEY_LENGTHS:
+    mode = KEY_LENGTHS if call.pages is None else PAGED
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, mode)
+    if choice.ragged != mode:
+        if mode == PAGED:
+            raise NotImplementedError(f"no instance reads paged keys and values in place "
+                                      f"for this call ({choice.name_expression})")
         return None
     if isinstance(lengths, np.ndarray):
         # the entries as given (the axes broadcast to the batch shape back to size 1), so
@@ -280,7 +314,7 @@ def _tensor_maps(call: AttentionCall, choice, extents, strides):
 
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):
     """The launch plan of a call's signature in ``chunks`` key chunks (1: no split), kept
-    per signature (:func:`_plan_key`): a callable with the call's eight slot pointers
+    per signature (:func:`_plan_key`): a callable with the call's nine slot pointers
     (FORWARD_SLOTS; 0 for an absent one) and the stream, which runs everything the call
     needs. ``out`` and ``lse``: this call's, for their layout."""
     key = _plan_key(call, device_id, kernel, tiles, chunks, lse)
@@ -291,7 +325,7 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
         plan = _SplitLaunch(call, chunks, device_id, out, lse)
     else:
         cc, smem_limit = device_limits(device_id)
-        ragged = DENSE if call.k_lengths is None else KEY_LENGTHS
+        ragged = _ragged_mode(call)
         choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, ragged)
         if choice.prepare:  # operands prepared per call (tile images), then the kernel
             plan = _prepared_plan(call, choice, out, lse)
@@ -391,7 +425,7 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
                 return None  # the long way names the overlap
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-            *pointers, 0], cupy.cuda.get_current_stream().ptr)
+            *pointers, 0, 0], cupy.cuda.get_current_stream().ptr)  # no lengths, no pages
     return (out, lse) if return_lse else out
 
 
@@ -474,7 +508,7 @@ def forward_parts(parts) -> None:
 
 class _SplitLaunch:
     """The plan of a call in key chunks (``cuattn._split``), called as a Launch with the
-    call's eight pointers: new buffers for the partial results (CuPy's pool, on the stream
+    call's nine pointers: new buffers for the partial results (CuPy's pool, on the stream
     of the launches, so reused only after the merge that reads them), the plans of the two
     part calls over offsets of q, k, v and those buffers, then the merge into out and lse
     (a new lse where the call returns none). A mask or bias is read in place, in chunks
@@ -485,11 +519,12 @@ class _SplitLaunch:
         outs, lses = _split.buffers(call, n)
         if lse is None:  # the layout of the scratch lse of each call
             lse = cupy.ndarray(call.lse_shape, lses.dtype)
-        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias, call.k_lengths)
+        table = None if call.pages is None else call.pages.table
+        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias, call.k_lengths, table)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):
             arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias,
-                      part.k_lengths)
+                      part.k_lengths, None if part.pages is None else part.pages.table)
             plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
             self._parts.append((plan, [None if x is None else x.data.ptr - b.data.ptr
                                        for x, b in zip(arrays, bases)]))
@@ -500,11 +535,11 @@ class _SplitLaunch:
     def __call__(self, pointers, stream_ptr: int) -> None:
         outs_shape, dtype, lses_shape, lse_dt, lse_shape = self._shapes
         outs, lses = self._ndarray(outs_shape, dtype), self._ndarray(lses_shape, lse_dt)
-        q, k, v, out, lse, mask, bias, lengths = pointers
+        q, k, v, out, lse, mask, bias, lengths, table = pointers
         if not lse:
             scratch = self._ndarray(lse_shape, lse_dt)
             lse = scratch.data.ptr
-        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias, lengths)
+        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias, lengths, table)
         for plan, offsets in self._parts:
             plan([0 if o is None else b + o for b, o in zip(bases, offsets)], stream_ptr)
         self._merge(out, lse, outs.data.ptr, lses.data.ptr, stream_ptr)
@@ -558,7 +593,7 @@ class _MagnitudesLaunch:
 
 class _PreparedLaunch:
     """The launches of one call signature of a piped instance (:func:`_prepared_plan`),
-    called as a :class:`~cuattn._launch.Launch` with the call's eight pointers: new
+    called as a :class:`~cuattn._launch.Launch` with the call's nine pointers: new
     K and V^T images (from CuPy's pool, on the stream of the launches, so reused only after
     the kernel that reads them), their two preparations (none without keys), the kernel."""
 

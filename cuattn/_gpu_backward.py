@@ -95,11 +95,12 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
         if choice.magnitudes is not None:
             forward_fields["magnitudes"] = magnitudes.data.ptr
         stream = cupy.cuda.get_current_stream().ptr
+        slots = len(FORWARD_SLOTS)
         for pointers in pointer_sets:
             block = new_block("AttnBwdParams", f={**forward_fields,
-                                                  **dict(zip(FORWARD_SLOTS, pointers[:8]))},
-                              **dict(zip(BACKWARD_SLOTS, pointers[8:])),
-                              **stride_fields(BACKWARD_SLOTS, strides[40:]))
+                                                  **dict(zip(FORWARD_SLOTS, pointers[:slots]))},
+                              **dict(zip(BACKWARD_SLOTS, pointers[slots:])),
+                              **stride_fields(BACKWARD_SLOTS, strides[5 * slots:]))
             if choice.magnitudes is not None:
                 magnitudes.fill(0)
             for fn, (expr, smem, threads, rows, cols, blocks) in zip(kernels, launches):

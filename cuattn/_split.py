@@ -54,9 +54,11 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
     """
     batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
     lengths = call.k_lengths
+    table = None if call.pages is None else call.pages.table  # (..., pages)
     if (not batch or batch[-1] == 1 or sq == 0 or sq >= ROWS_PER_BLOCK
             or not all(_per_key(x) for x in (call.mask, call.bias))
-            or lengths is not None and lengths.ndim and lengths.shape[-1] != 1):
+            or lengths is not None and lengths.ndim and lengths.shape[-1] != 1
+            or table is not None and table.ndim > 1 and table.shape[-2] != 1):
         return None
     if any(x.ndim >= 3 and x.shape[-3] != 1 for x in (call.k, call.v)):
         return None
@@ -132,12 +134,22 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
     if blocks == 0 or 2 * blocks > sm_count:
         return 1
     n = min(MAX_CHUNKS, -(-2 * sm_count // blocks), call.seqlen_k // MIN_CHUNK)
+    if call.pages is not None:  # chunks of whole pages
+        n = min(n, call.seqlen_k // call.pages.page_size)
     if n < 2:
         return 1
-    tail = call.seqlen_k - (n - 1) * (call.seqlen_k // n)
+    tail = call.seqlen_k - (n - 1) * chunk_width(call, n)
     if call.window_right >= 0 and tail < call.seqlen_q - call.window_right:
         return 1
     return n
+
+
+def chunk_width(call: AttentionCall, n: int) -> int:
+    """Keys in each of the first ``n - 1`` chunks: ``Sk // n``, or, for paged keys and
+    values, that rounded down to whole pages (a key tile lies in one page: key_rows in
+    common.cuh; :func:`split_count` leaves a page at least)."""
+    width = call.seqlen_k // n
+    return width if call.pages is None else width - width % call.pages.page_size
 
 
 def buffers(call: AttentionCall, n: int):
@@ -155,11 +167,14 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
     chunks as one more batch axis (q broadcast over it), with no band: every row sees every
     key there (:func:`split_count`); the second runs the last chunk with the call's band."""
     sk = call.seqlen_k
-    width = sk // n
+    width = chunk_width(call, n)
     head = (n - 1) * width  # keys of the first n - 1 chunks
     batch = call.batch_shape
 
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
+        if call.pages is not None:  # the pools' stand-ins: the kernels find each chunk's pages
+            return call.xp.broadcast_to(x[..., None, :width, :],
+                                        x.shape[:-2] + (n - 1, width, x.shape[-1]))
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))
 
     first = dict(q=call.q[..., None, :, :], k=chunked(call.k), v=chunked(call.v),
@@ -174,6 +189,9 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
         first.update(k_lengths=call.k_lengths[..., None], k_lengths_from=call.k_lengths_from,
                      k_lengths_step=width if n > 2 else 0)
         last.update(k_lengths_from=call.k_lengths_from + head)
+    if call.pages is not None:  # the page table: its rows as the lengths' (no key offset)
+        first.update(pages=dataclasses.replace(call.pages,
+                                               table=call.pages.table[..., None, :]))
     return [(_part(call, first, outs[..., :n - 1, :, :], batch + (n - 1,), width, -1),
              lses[..., :n - 1, :]),
             (_part(call, last, outs[..., n - 1, :, :], batch, sk - head, call.window_right),

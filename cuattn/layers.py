@@ -188,13 +188,16 @@ class _KeptAttention:
 
     def __call__(self, q, k, v, out, causal, mask, precision):
         if self.plan is None:
-            from ._gpu import _run
+            from ._gpu import FORWARD_SLOTS, _run
             call = check_attention(q, k, v, causal=causal, mask=mask, precision=precision,
                                    out=out)
             self.plan = _run(call, None, None, True)[2]
+            # the forward's slots past q, k, v, out, lse and mask: no bias, key lengths or
+            # page table
+            self.rest = [0] * (len(FORWARD_SLOTS) - 6)
             return
         self.plan([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0,
-                   0 if mask is None else mask.data.ptr, 0],
+                   0 if mask is None else mask.data.ptr, *self.rest],
                   self.xp.cuda.get_current_stream().ptr)
 
 

@@ -173,22 +173,25 @@ struct Strides {
 };
 
 struct AttnParams {
-    long long q, k, v, out, lse, mask, bias, k_lengths;  // device addresses
+    long long q, k, v, out, lse, mask, bias, k_lengths, pages;  // device addresses
     long long batch1, batch2;                 // extents of batch axes 1 and 2 (axis 0 is implied)
     long long seqlen_q, seqlen_k, head_dim, head_dim_v;
     long long window_left, window_right;      // -1: unbounded; causal is window_right = 0
     long long num_m_blocks, num_dv_tiles;     // grid decomposition, computed in Python
     double scale;                             // softmax scale (natural units)
     double softcap;                           // 0: no softcap
-    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s, k_lengths_s;
+    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s, k_lengths_s, pages_s;
     // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
     // the others), written per call
     long long magnitudes;
     // a packed call's row blocks (PackedBlock, below): device address and count; 0 for a dense call
     long long packed, num_packed;
-    // key lengths (KEY_LENGTHS, below): bytes per length (4 or 8), and the first key of this
+    // key lengths (KEY_LENGTHS and PAGED, below): bytes per length (4 or 8), and the first key of this
     // call's chunk of the keys: k_lengths_from + (index along batch axis 2) x k_lengths_step
     long long k_lengths_size, k_lengths_from, k_lengths_step;
+    // paged keys and values (PAGED, below): rows per page, pages in the pools, and the
+    // elements from one page to the next in the pools of k and of v
+    long long page_size, num_pages, k_page, v_page;
 };
 
 // The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
@@ -301,9 +304,10 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams
 
 // ---- packed sequences and key lengths -------------------------------------------------
 // A forward instance's RAGGED mode: a dense call; a packed call (q_offsets, k_offsets), one
-// grid over the work units of every sequence; or key lengths (k_lengths), a dense grid
-// whose batch entries each have their own key count.
-enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2 };
+// grid over the work units of every sequence; key lengths (k_lengths), a dense grid whose
+// batch entries each have their own key count; or key lengths over paged keys and values
+// (block_table; key_rows, below).
+enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2, PAGED = 3 };
 // PACKED: p.packed holds, in device memory, a PackedBlock for each of the p.num_packed row
 // blocks of the kernel (query blocks, or the backward's key blocks) over every sequence, in
 // the order the grid takes them (Python deals them by cost, costliest first); work unit u
@@ -315,8 +319,9 @@ struct PackedBlock {
     int row_block, pad0, pad1, pad2;         // the block within it
 };
 // A block's work unit as a dense call of its own: p with the unit's lengths (PACKED: its
-// sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS: its batch entry's
-// key count) and the unit: DENSE and KEY_LENGTHS: its index among `units` (block_coords_at);
+// sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS and PAGED: its batch
+// entry's key count) and the unit: DENSE, KEY_LENGTHS and PAGED: its index among `units`
+// (block_coords_at);
 // PACKED: its row block and its index among that row block's units (`rest`), and the
 // sequence's first rows (for the tensor maps, which span the packed totals). T: the type
 // of q, k, v and out; AccT: of the lse.
@@ -329,7 +334,7 @@ struct SequenceUnit {
 template <int RAGGED, typename T, typename AccT>
 __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, unsigned unit,
                                                       unsigned units) {
-    if constexpr (RAGGED == KEY_LENGTHS) {
+    if constexpr (RAGGED == KEY_LENGTHS || RAGGED == PAGED) {
         // batch entry b's keys: k_lengths[b] (int32 or int64, by k_lengths_size) less the
         // first key of this call's chunk of them, k_lengths_from + (b's index along batch
         // axis 2) x k_lengths_step (a split call's chunks, cuattn/_split.py), within 0 .. Sk
@@ -361,7 +366,38 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, unsig
     }
 }
 
-// A forward block's work: forward_block_at (DENSE, KEY_LENGTHS), or the row block and
+// PAGED: key lengths (KEY_LENGTHS) whose keys and values live in the pages of two pools
+// (block_table). k and v then hold the pools' first element plus batch entry b's offset
+// along the pools' other axes, k_s.row and v_s.row are the rows' strides within a page, and
+// p.pages (int32) lists b's pages in order (batch strides pages_s, pages_s.col between
+// columns): key j of the whole sequence is row j % page_size of page pages[b][j / page_size],
+// where j counts from the first key of this call's chunk (k_lengths_from + (b's index along
+// batch axis 2) x k_lengths_step, as for the lengths). A key tile lies inside one page:
+// Python runs only page sizes that are a multiple of every key tile and chunks that start
+// on a page.
+// key_rows: the first row of the tile of keys n0 .. of batch entry b in x (k or v, with
+// row_stride and page_stride its pool's); n0 * row_stride past x for the other modes.
+template <int RAGGED, typename T>
+__device__ __forceinline__ const T* key_rows(const AttnParams& p, const T* x, long long b,
+                                            long long n0, long long row_stride,
+                                            long long page_stride) {
+    if constexpr (RAGGED == PAGED) {
+        // 32-bit: key positions fit (checked in Python), and 64-bit divisions cost registers
+        const unsigned j = (unsigned)(p.k_lengths_from + (b % p.batch2) * p.k_lengths_step + n0);
+        const unsigned size = (unsigned)p.page_size;
+        const int* row = reinterpret_cast<const int*>(p.pages) +
+                         batch_offset(p.pages_s, b, p.batch1, p.batch2);
+        // a page number outside the pools (a device table's, unchecked) reads the nearest
+        // page: never out of bounds
+        const int page = min(max(row[(long long)(j / size) * p.pages_s.col], 0),
+                             (int)p.num_pages - 1);
+        return x + page * page_stride + (long long)(j % size) * row_stride;
+    } else {
+        return x + n0 * row_stride;
+    }
+}
+
+// A forward block's work: forward_block_at (DENSE, KEY_LENGTHS, PAGED), or the row block and
 // batch entry a packed block names (PACKED).
 template <int RAGGED, typename T, typename BiasT>
 __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_of(const AttnParams& p,

@@ -71,8 +71,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
-        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + stage * K_ELEMS, v_s + stage * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(), Swizzled<HEAD_DIM_V>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED, RAGGED>(
+            k_s + stage * K_ELEMS, v_s + stage * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(),
+            Swizzled<HEAD_DIM_V>(), b);
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Swizzled<HEAD_DIM>());

@@ -82,12 +82,13 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
-                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<BLOCK_N>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
-                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Sw128<BLOCK_N>());
+        // (PAGED: the tile's page, common.cuh)
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(
+            k_s + stage * K_ELEMS, key_rows<RAGGED>(p, k, b, n0, p.k_s.row, p.k_page), p.k_s.row,
+            p.k_s.col, p.seqlen_k - n0, p.head_dim, Sw128<BLOCK_N>());
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(
+            v_s + stage * V_ELEMS, key_rows<RAGGED>(p, v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
+            p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>());
         side.request(stage, m0, n0);
     };
     // each warpgroup's 64 rows of Q form one 64-row tile
@@ -233,6 +234,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
     constexpr unsigned Q_BYTES = NUM_WG * Q_ELEMS * sizeof(T), K_BYTES = K_ELEMS * sizeof(T),
                        SLOT_BYTES = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * sizeof(T);
     static_assert(!(RAGGED_KEYS && PERSISTENT), "a ragged call has a block per work unit");
+    static_assert(RAGGED != PAGED, "paged keys: the per-block instance (attention_fwd_sm90)");
     // a packed call's or key lengths' block: its sequence as a dense call, whose rows start
     // at su.q_row0 and su.k_row0 of the tensor maps (common.cuh)
     const SequenceUnit su = sequence_unit<RAGGED, T, float>(w.p, blockIdx.x, gridDim.x);
