@@ -142,9 +142,9 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
     (:func:`packed_table`) is uploaded here and the Launch holds it."""
     tensors = _forward_tensors(call, out, lse, prepared)
     extents, strides, pointer_sets = layout(call.batch_shape, tensors)
-    maps = None
+    maps = page_axis = None
     if choice.tma:  # the piped kernel, where the driver encodes the maps of q, k and v
-        maps = _tensor_maps(call, choice, extents, strides)
+        maps, page_axis = _tensor_maps(call, choice, extents, strides)
         if maps is None or not maps.check([x.data.ptr for x, _ in tensors[:3]]):
             if choice.fallback is None:
                 why = maps.refusal if maps is not None else \
@@ -173,7 +173,8 @@ def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=N
         launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
     else:
         launch = Launch(fn, (grid, 1), choice.threads, choice.shared_mem,
-                        new_block("FwdTmaParams", p=fields, units=units),
+                        new_block("FwdTmaParams", p=fields, units=units,
+                                  page_axis=page_axis or 0),
                         pointers=tuple(f"p.{slot}" for slot in FORWARD_SLOTS),
                         per_call="p.magnitudes", maps=maps)
     if table is not None:
@@ -296,20 +297,39 @@ def forward_lengths(call: AttentionCall, lengths, kernel: str | None = None, til
 
 
 def _tensor_maps(call: AttentionCall, choice, extents, strides):
-    """The TensorMaps of q, k and v for the piped kernel (FwdTmaParams), or None where the
-    copy engine cannot read one of them (cuattn/_tma.py)."""
+    """(maps, page axis): the TensorMaps of q, k and v for the piped kernel (FwdTmaParams),
+    or None where the copy engine cannot read one of them (cuattn/_tma.py); for paged keys
+    and values (call.pages), the maps of k and v span the pools, and the page axis is the
+    map dimension of their pages (FwdTmaParams.page_axis), else None."""
     rows = (64, choice.tiles.block_n, choice.tiles.block_n)
     sizes = ((call.head_dim, call.seqlen_q), (call.head_dim, call.seqlen_k),
              (call.head_dim_v, call.seqlen_k))
-    shapes = [map_shape(cols, n, extents, strides[5 * i:5 * i + 5], call.dtype.itemsize, r)
+    slots = [strides[5 * i:5 * i + 5] for i in range(3)]
+    pages, page_axis = call.pages, None
+    if pages is not None:
+        # the pages on a batch axis that neither k nor v walks (map dimension 2, 3, 4 for
+        # batch axes 2, 1, 0), rows within a page
+        free = [axis for axis in (2, 1, 0)
+                if extents[axis] == 1 or slots[1][axis] == slots[2][axis] == 0]
+        if not free:
+            return None, None
+        page_axis = 4 - free[0]
+        sizes = (sizes[0], (call.head_dim, pages.page_size), (call.head_dim_v, pages.page_size))
+        paged_extents = list(extents)
+        paged_extents[free[0]] = pages.num_pages
+        for i, step in ((1, pages.k_page), (2, pages.v_page)):
+            slots[i] = list(slots[i])
+            slots[i][free[0]] = step
+    shapes = [map_shape(cols, n, paged_extents if pages is not None and i else extents,
+                        slots[i], call.dtype.itemsize, r)
               for i, ((cols, n), r) in enumerate(zip(sizes, rows))]
     if None in shapes:
-        return None
+        return None, None
     dtype = block_dtype("FwdTmaParams")
     try:
-        return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"])
+        return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"]), page_axis
     except (OSError, AttributeError):  # no driver library, or one without tensor maps
-        return None
+        return None, None
 
 
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):

@@ -268,16 +268,20 @@ def test_gpu_paged_small_pages_are_gathered():
                                                        mask=full))
 
 
-@pytest.mark.parametrize("page, lengths, groups, sq, causal, device_table", [
-    (128, [4000, 0], 4, 1, False, True),         # folded groups, keys split in 4 chunks
-    (256, [700, 256], 1, 5, True, False),        # a host table, no split
-    (128, [1, 2100], 2, 1, False, False),        # split in 2 (one chunk axis entry)
+@pytest.mark.parametrize("page, lengths, groups, sq, d, causal, device_table", [
+    (128, [4000, 0], 4, 1, 16, False, True),     # folded groups, keys split in 4 chunks
+    (256, [700, 256], 1, 5, 16, True, False),    # a host table, no split
+    (128, [1, 2100], 2, 1, 16, False, False),    # split in 2 (one chunk axis entry)
+    (256, [2500, 0, 300, 2100, 1], 2, 1, 128, False, True),  # the piped instance
 ])
-def test_in_place_on_host_memory(page, lengths, groups, sq, causal, device_table, monkeypatch):
+def test_in_place_on_host_memory(page, lengths, groups, sq, d, causal, device_table,
+                                 monkeypatch):
     """Pages of a multiple of 128 rows on the GPU path, through a CuPy stand-in on host
     memory (emulated kernels, tests/_hostdev.py): one launch of a PAGED instance per part
     (and the merge of a split call) reads the pools through the table, NaN in the pages
-    past every length; the results are the float64 reference's on the dense keys."""
+    past every length; the results are the float64 reference's on the dense keys. The
+    piped instance's maps of k and v span the pools: rows within a page, and the pages on
+    the batch axis that the parameter block names."""
     from _hostdev import Memory, fake_gpu
     from test_merge import _emulate_merge_parts
     arrays, launches = [], []
@@ -293,14 +297,22 @@ def test_in_place_on_host_memory(page, lengths, groups, sq, causal, device_table
     per_entry = -(-max(lengths) // page) + 1
     n = np.array(lengths)
     q, kp, vp, table, k, v = _paged_case(rng, np.float16, page, len(lengths), 2, groups, sq,
-                                         16, per_entry, n)
+                                         d, per_entry, n)
     given = n[:, None, None]
-    out, lse = cuattn.attention(on_device(q), on_device(kp), on_device(vp), k_lengths=given,
+    pools = on_device(kp), on_device(vp)
+    out, lse = cuattn.attention(on_device(q), *pools, k_lengths=given,
                                 block_table=on_device(table.astype(np.int32))
                                 if device_table else table, causal=causal, return_lse=True)
     names = [fn for fn, *_ in launches]
     kernels = [x for x in names if x.startswith("attention_fwd")]
     assert kernels and all(x.endswith(", 3>") for x in kernels), names  # PAGED instances
+    assert any("piped" in x for x in kernels) == (d == 128)
+    if d == 128:  # the maps of k and v: the pools', (D, page rows, pages on a batch axis)
+        for (address, dims, strides, box), pool in zip(device.maps[-2:], pools):
+            assert address == pool.__array_interface__["data"][0]
+            axis = dims.index(pool.shape[0])
+            assert dims[:2] == (d, page) and axis >= 2 and box[1] <= page
+            assert strides[0] == pool.strides[-2] and strides[axis - 1] == pool.strides[0]
     full = lengths_mask(given, (len(lengths), 2, groups), sq, k.shape[-2],
                         (-1, 0) if causal else (-1, -1))
     k, v = np.nan_to_num(k), np.nan_to_num(v)

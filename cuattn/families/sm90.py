@@ -9,7 +9,6 @@ from ._common import (
     DELTA,
     DENSE,
     PACKED,
-    PAGED,
     BackwardChoice,
     BlockTiles,
     Kernel,
@@ -169,13 +168,10 @@ def forward(req: Request,
     if isinstance(tiles, Sm90PipedTiles) and tiles.persistent and req.ragged != DENSE:
         raise NotImplementedError("packed sequences and key lengths run a block per work "
                                   "unit: no persistent sm90 piped tiles")
-    if isinstance(tiles, Sm90PipedTiles) and req.ragged == PAGED:
-        raise NotImplementedError("paged keys and values are read by the sm90 per-block "
-                                  "instance: no sm90 piped tiles")
     per_block = None if wide or isinstance(tiles, Sm90PipedTiles) else \
         _per_block(req, tiles, hd, hdv)
-    if not req.aligned or isinstance(tiles, Sm90Tiles) or req.ragged == PAGED:
-        return per_block  # (paged: a tile's page is an address, not a tensor-map box)
+    if not req.aligned or isinstance(tiles, Sm90Tiles):
+        return per_block
     if tiles is None and not wide and (req.head <= PIPED_MIN_HEAD
                                        or req.bias_dtype is not None):
         return per_block

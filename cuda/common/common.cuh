@@ -375,6 +375,21 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, unsig
 // batch axis 2) x k_lengths_step, as for the lengths). A key tile lies inside one page:
 // Python runs only page sizes that are a multiple of every key tile and chunks that start
 // on a page.
+// key_page: the page and the row in it of key n0 of batch entry b (PAGED).
+struct KeyPage {
+    int page, row;
+};
+__device__ __forceinline__ KeyPage key_page(const AttnParams& p, long long b, long long n0) {
+    // 32-bit: key positions fit (checked in Python), and 64-bit divisions cost registers
+    const unsigned j = (unsigned)(p.k_lengths_from + (b % p.batch2) * p.k_lengths_step + n0);
+    const unsigned size = (unsigned)p.page_size;
+    const int* row = reinterpret_cast<const int*>(p.pages) +
+                     batch_offset(p.pages_s, b, p.batch1, p.batch2);
+    // a page number outside the pools (a device table's, unchecked) reads the nearest page:
+    // never out of bounds
+    return {min(max(row[(long long)(j / size) * p.pages_s.col], 0), (int)p.num_pages - 1),
+            (int)(j % size)};
+}
 // key_rows: the first row of the tile of keys n0 .. of batch entry b in x (k or v, with
 // row_stride and page_stride its pool's); n0 * row_stride past x for the other modes.
 template <int RAGGED, typename T>
@@ -382,16 +397,8 @@ __device__ __forceinline__ const T* key_rows(const AttnParams& p, const T* x, lo
                                             long long n0, long long row_stride,
                                             long long page_stride) {
     if constexpr (RAGGED == PAGED) {
-        // 32-bit: key positions fit (checked in Python), and 64-bit divisions cost registers
-        const unsigned j = (unsigned)(p.k_lengths_from + (b % p.batch2) * p.k_lengths_step + n0);
-        const unsigned size = (unsigned)p.page_size;
-        const int* row = reinterpret_cast<const int*>(p.pages) +
-                         batch_offset(p.pages_s, b, p.batch1, p.batch2);
-        // a page number outside the pools (a device table's, unchecked) reads the nearest
-        // page: never out of bounds
-        const int page = min(max(row[(long long)(j / size) * p.pages_s.col], 0),
-                             (int)p.num_pages - 1);
-        return x + page * page_stride + (long long)(j % size) * row_stride;
+        const KeyPage kp = key_page(p, b, n0);
+        return x + kp.page * page_stride + (long long)kp.row * row_stride;
     } else {
         return x + n0 * row_stride;
     }

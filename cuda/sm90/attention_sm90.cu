@@ -182,16 +182,20 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 // aligned starts and strides (_tma.py).
 // RAGGED: under PACKED the maps span the packed sequences, and a block's boxes start at its
 // sequence's rows; a box past a sequence's end (or past a key length) holds other rows, which
-// count as keys past the end (masked) and as query rows past the end (never stored).
+// count as keys past the end (masked) and as query rows past the end (never stored). Under
+// PAGED the maps of k and v span the pools: rows within a page, and the page along the batch
+// axis that page_axis names (one the call's k and v do not walk); a key tile's box is at its
+// page's row (key_page, common.cuh).
 
 // The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
 // (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
 // extent 1; boxes of 64 columns x 64 rows for q, x BLOCK_N rows for k and v), and the
 // call's work units (query blocks x batch entries: the grid of a block per unit; a
-// persistent grid takes them in turn). cuattn/_params.py reads it from here.
+// persistent grid takes them in turn), and under PAGED the map dimension of the pages in the
+// maps of k and v (2, 3 or 4: batch axis 2, 1 or 0). cuattn/_params.py reads it from here.
 struct FwdTmaParams {
     AttnParams p;
-    long long units;
+    long long units, page_axis;
     TensorMap q_map, k_map, v_map;
 };
 
@@ -234,7 +238,6 @@ __global__ void __launch_bounds__(3 * 128, 1)
     constexpr unsigned Q_BYTES = NUM_WG * Q_ELEMS * sizeof(T), K_BYTES = K_ELEMS * sizeof(T),
                        SLOT_BYTES = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * sizeof(T);
     static_assert(!(RAGGED_KEYS && PERSISTENT), "a ragged call has a block per work unit");
-    static_assert(RAGGED != PAGED, "paged keys: the per-block instance (attention_fwd_sm90)");
     // a packed call's or key lengths' block: its sequence as a dense call, whose rows start
     // at su.q_row0 and su.k_row0 of the tensor maps (common.cuh)
     const SequenceUnit su = sequence_unit<RAGGED, T, float>(w.p, blockIdx.x, gridDim.x);
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
             };
             const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
             auto fill = [&](int t, int s, unsigned bar) {
-                const int n0 = un.n_lo + t * BLOCK_N, row = su.k_row0 + n0;
+                const int n0 = un.n_lo + t * BLOCK_N;
                 // RAGGED: V rows past the sequence's end would be the next sequence's (or
                 // rows past a key length), and P V multiplies them by 0 (an inf or NaN there
                 // would spread): that tile's V is copied by the warpgroup's threads instead,
@@ -329,21 +332,31 @@ __global__ void __launch_bounds__(3 * 128, 1)
                     // the arrivals of every producer thread, where they copy nothing
                     if (RAGGED_KEYS && !staged && !v_by_threads) mbar_arrive_count(bar, 128);
                     const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
+                    // PAGED: the tile's row in its page, and the page on the maps' page
+                    // axis, which k and v do not walk (their coordinate there is 0)
+                    int row = su.k_row0 + n0, page2 = 0, page1 = 0, page0 = 0;
+                    if constexpr (RAGGED == PAGED) {
+                        const KeyPage kp = key_page(p, b, n0);
+                        row = kp.row;
+                        page2 = w.page_axis == 2 ? kp.page : 0;
+                        page1 = w.page_axis == 3 ? kp.page : 0;
+                        page0 = w.page_axis == 4 ? kp.page : 0;
+                    }
 #pragma unroll
                     for (int g = 0; g < HEAD_DIM / 64; ++g)
-                        tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, row, kb.c2,
-                                 kb.c1, kb.c0, bar);
+                        tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, row, kb.c2 + page2,
+                                 kb.c1 + page1, kb.c0 + page0, bar);
                     if (!v_by_threads)
 #pragma unroll
                         for (int g = 0; g < HEAD_DIM_V / 64; ++g)
                             tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, row,
-                                     vb.c2, vb.c1, vb.c0, bar);
+                                     vb.c2 + page2, vb.c1 + page1, vb.c0 + page0, bar);
                 }
-                if (v_by_threads)
+                if (v_by_threads)  // (PAGED: at the tile's page, common.cuh)
                     load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
                         reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
-                        un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col,
-                        p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
+                        key_rows<RAGGED>(p, un.blk.v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
+                        p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
                 if (staged) side.request(s, m0, n0, tid);
                 if (staged || v_by_threads) cp_async_arrive(bar);
             };
