@@ -305,6 +305,7 @@ def _tensor_maps(call: AttentionCall, choice, extents, strides):
     sizes = ((call.head_dim, call.seqlen_q), (call.head_dim, call.seqlen_k),
              (call.head_dim_v, call.seqlen_k))
     slots = [strides[5 * i:5 * i + 5] for i in range(3)]
+    slot_extents = [extents] * 3
     pages, page_axis = call.pages, None
     if pages is not None:
         # the pages on a batch axis that neither k nor v walks (map dimension 2, 3, 4 for
@@ -320,8 +321,8 @@ def _tensor_maps(call: AttentionCall, choice, extents, strides):
         for i, step in ((1, pages.k_page), (2, pages.v_page)):
             slots[i] = list(slots[i])
             slots[i][free[0]] = step
-    shapes = [map_shape(cols, n, paged_extents if pages is not None and i else extents,
-                        slots[i], call.dtype.itemsize, r)
+            slot_extents[i] = paged_extents
+    shapes = [map_shape(cols, n, slot_extents[i], slots[i], call.dtype.itemsize, r)
               for i, ((cols, n), r) in enumerate(zip(sizes, rows))]
     if None in shapes:
         return None, None
@@ -539,12 +540,10 @@ class _SplitLaunch:
         outs, lses = _split.buffers(call, n)
         if lse is None:  # the layout of the scratch lse of each call
             lse = cupy.ndarray(call.lse_shape, lses.dtype)
-        table = None if call.pages is None else call.pages.table
-        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias, call.k_lengths, table)
+        bases = _forward_arrays(call, outs, lses)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):
-            arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias,
-                      part.k_lengths, None if part.pages is None else part.pages.table)
+            arrays = _forward_arrays(part, part.out, part_lse)
             plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
             self._parts.append((plan, [None if x is None else x.data.ptr - b.data.ptr
                                        for x, b in zip(arrays, bases)]))

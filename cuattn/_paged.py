@@ -73,12 +73,8 @@ def in_place(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall
     used = (check_pages_used(paged, lengths) if isinstance(lengths, np.ndarray)
             else paged.table.shape[1])
     keys = used * paged.page_size
-    xp, table = call.xp, paged.table
-    if isinstance(table, np.ndarray):
-        # a column past every entry's length may hold anything (it is not read)
-        table = xp.asarray(np.where((table >= 0) & (table < paged.k_pages.shape[0]),
-                                    table, 0).astype(np.int32))
-    elif table.dtype != np.int32:  # entries beyond int32 name no page: the kernels clamp
+    xp, table = call.xp, call.xp.asarray(paged.table)
+    if table.dtype != np.int32:  # the kernels clamp a page outside the pools: so may this
         table = xp.clip(table, -1, paged.k_pages.shape[0]).astype(np.int32)
     # the table's rows stand on the pools' page axis, followed by one of size 1 per other
     # leading axis of the pools, then its columns
