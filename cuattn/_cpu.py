@@ -224,9 +224,11 @@ def attention_forward(call: AttentionCall, *, block_m: int | None = None,
         Natural-log row log-sum-exp in float32 (float64 for float64), only when
         ``call.return_lse``.
     """
-    # query groups as rows: one product per key head, not one per group
+    # query groups as rows: one product per key head, not one per group; copied where the
+    # strides do not fold, since BLAS rounds a row differently in products of other shapes
+    # and a call's result must not depend on its layout
     result = _split.run_folded(call, lambda folded: attention_forward(
-        folded, block_m=block_m, block_n=block_n))
+        folded, block_m=block_m, block_n=block_n), copy=True)
     if result is not None:
         return result
     acc_dtype = lse_dtype(call.dtype)

@@ -39,7 +39,7 @@ MAX_CHUNKS = 64
 ROWS_PER_BLOCK = 64
 
 
-def fold_groups(call: AttentionCall) -> AttentionCall | None:
+def fold_groups(call: AttentionCall, copy: bool = False) -> AttentionCall | None:
     """The call with q's innermost batch axis (G entries) folded into its query rows, or
     None where that is not exact or does not pay.
 
@@ -50,7 +50,10 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
     causal with one query row), and q and ``out`` whose G and Sq axes are one run of rows
     (always so for Sq = 1). It pays while Sq is under one block of rows: each block then
     reads its keys for G times as many rows. The folded call's q and out are views of the
-    call's: (..., 1, G * Sq, D); so are its results.
+    call's: (..., 1, G * Sq, D); so are its results. With ``copy``, a q whose G and Sq axes
+    are not one run is copied into one, and an out that is not is left out of the folded
+    call (:func:`run_folded` copies the result into it), so that whether a call folds never
+    depends on its strides.
     """
     batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
     lengths = call.k_lengths
@@ -68,8 +71,10 @@ def fold_groups(call: AttentionCall) -> AttentionCall | None:
     if 0 <= left < sk - 1 or 0 <= right < sq - 1:
         return None
     q = _rows_folded(call.q, sq)
+    if q is None and copy:
+        q = _rows_folded(call.xp.ascontiguousarray(call.q), sq)
     out = None if call.out is None else _rows_folded(call.out, sq)
-    if q is None or (call.out is not None and out is None):
+    if q is None or (call.out is not None and out is None and not copy):
         return None
     return dataclasses.replace(call, q=q, out=out, batch_shape=batch[:-1] + (1,),
                                seqlen_q=batch[-1] * sq, window_left=-1, window_right=-1)
@@ -81,24 +86,33 @@ def _per_key(x) -> bool:
     return x is None or (x.shape[-2] == 1 and (x.ndim < 3 or x.shape[-3] == 1))
 
 
-def run_folded(call: AttentionCall, run, lse=None):
+def run_folded(call: AttentionCall, run, lse=None, copy: bool = False):
     """``(out, lse)`` of a validated call computed by ``run`` on its folded form
     (:func:`fold_groups`), as arrays of the call's shapes, followed by whatever else
     ``run`` returns; None where it does not fold. ``lse``: an array of the call's lse
-    shape to write the lse into, whose G and Sq axes must then be one run (else None);
-    ``run`` is called with the folded call and the view (..., 1, G * Sq) of it."""
-    folded = fold_groups(call)
+    shape to write the lse into; ``run`` is called with the folded call and the view
+    (..., 1, G * Sq) of it where its G and Sq axes are one run, else (with ``copy``) with
+    the folded call alone and the result copied into it, or (without) None is returned.
+    ``copy`` as for :func:`fold_groups`."""
+    folded = fold_groups(call, copy)
     if folded is None:
         return None
-    if lse is None:
-        out, lse, *rest = run(folded)
-        lse = None if lse is None else lse.reshape(call.lse_shape)
+    target = None if lse is None else _rows_folded(lse[..., None], call.seqlen_q)
+    if lse is not None and target is None and not copy:
+        return None
+    if target is None:
+        out, got, *rest = run(folded)
+        if lse is None:
+            lse = None if got is None else got.reshape(call.lse_shape)
+        else:
+            lse[...] = got.reshape(call.lse_shape)
     else:
-        target = _rows_folded(lse[..., None], call.seqlen_q)
-        if target is None:
-            return None
         out, _, *rest = run(folded, target[..., 0])
-    return (call.out if call.out is not None else out.reshape(call.out_shape), lse, *rest)
+    if call.out is None:
+        return (out.reshape(call.out_shape), lse, *rest)
+    if folded.out is None:  # an out= whose rows do not fold: the result is copied in
+        call.out[...] = out.reshape(call.out_shape)
+    return (call.out, lse, *rest)
 
 
 def _rows_folded(x, sq: int):

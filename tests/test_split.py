@@ -190,10 +190,33 @@ def test_fold_groups_only_where_exact_and_useful():
     assert fold(check_attention(wide, kw, vw)) is None
     strided, _, _ = _group_inputs(np.float32, 3, 300, layout="bshd")  # groups not a run
     assert fold(check_attention(strided, k, v)) is None
+    copied = fold(check_attention(strided, k, v), copy=True)          # unless copied
+    assert copied is not None and not np.shares_memory(copied.q, strided)
     assert fold(check_attention(q[:, :, :1], k, v)) is None           # one group
     one_row = check_attention(q[..., :1, :], k, v, out=np.empty((2, 3, 4, 1, 8),
                                                                 np.float32)[..., ::1, :])
     assert fold(one_row) is not None
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("sq", [3, 11])
+def test_cpu_result_does_not_depend_on_strides(dtype, sq):
+    """Query groups whose strides do not fold (a bshd q, an out= of another layout, a view
+    of a larger q) give bit for bit the result of the contiguous call: Dask chunks arrive
+    as views in one scheduler and as copies in another."""
+    import cuattn
+    q, k, v = _group_inputs(dtype, sq, 300, layout="bshd")
+    want, want_lse = cuattn.attention(np.ascontiguousarray(q), k, v, return_lse=True)
+    got, got_lse = cuattn.attention(q, k, v, return_lse=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_lse, want_lse)
+    buf = np.full((2, sq, 3, 4, 8), np.nan, dtype).transpose(0, 2, 3, 1, 4)
+    assert cuattn.attention(q, k, v, out=buf) is buf
+    np.testing.assert_array_equal(buf, want)
+    wide = np.repeat(np.ascontiguousarray(q), 2, axis=2)[:, :, ::2]  # G stride 2
+    np.testing.assert_array_equal(cuattn.attention(wide, k, v), want)
+    ref = attention_reference(q, k, v)[0]
+    assert_accurate(got, ref, naive_attention(q, k, v))
 
 
 @pytest.mark.gpu
