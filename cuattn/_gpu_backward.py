@@ -1,5 +1,5 @@
 """The GPU backward: delta, then the dK/dV and dQ kernels of a validated CuPy call, through
-the forward's parameter block (:mod:`cuattn._gpu`) and the same
+the forward's parameter block (:mod:`cuattn._gpu_plan`) and the same
 :class:`~cuattn._launch.Launch`."""
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import numpy as np
 
 from . import _dispatch
 from ._checks import AttentionCall, lse_dtype, sum_to_shape
-from ._gpu import FORWARD_SLOTS, MAGNITUDE_ROWS, _attn_fields, _forward_tensors, packed_table
+from ._gpu_plan import (
+    FORWARD_SLOTS,
+    MAGNITUDE_ROWS,
+    _attn_fields,
+    _forward_tensors,
+    packed_table,
+)
 from ._kernels import get_kernel
 from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
 from ._params import new_block

@@ -219,6 +219,7 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     ``launches`` as (kernel, pointers, stream). Plans made here stay here."""
     import cuattn._checks
     import cuattn._gpu
+    import cuattn._gpu_plan
     import cuattn._kernels
     import cuattn._launch
     import cuattn._tma
@@ -312,12 +313,13 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
         if getattr(module, "as_array", None) is real_as_array:
             monkeypatch.setattr(module, "as_array", lambda x, name: (
                 (x, fake) if isinstance(x, Device) else real_as_array(x, name)))
-    monkeypatch.setattr(cuattn._gpu, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._gpu_plan, "get_kernel", lambda f, expr, shared_mem=0: expr)
     monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
-    monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
+    monkeypatch.setattr(cuattn._gpu_plan, "Launch", Launch)
     monkeypatch.setattr(cuattn._launch, "Launch", Launch)
     monkeypatch.setattr(cuattn._tma, "_encode_function", lambda: encode)
-    monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
+    for module in (cuattn._gpu, cuattn._gpu_plan):
+        monkeypatch.setattr(module, "sm_count", lambda device: 8)
     monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
     for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
                          (cuattn._gpu, "_part_streams"), (merge, "_stacked_plans")):

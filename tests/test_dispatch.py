@@ -236,8 +236,8 @@ def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
 def test_parameter_blocks_are_filled_by_field_name():
     """A parameter block's dtype is the C++ struct's (read from the sources): fields by
     name, nested strides as tuples, the forward's pointers one run of 8-byte fields."""
-    from cuattn._gpu import FORWARD_SLOTS
     from cuattn._gpu_backward import BACKWARD_SLOTS
+    from cuattn._gpu_plan import FORWARD_SLOTS
     from cuattn._launch import _run_of_fields
     from cuattn._params import block_dtype, new_block
 
