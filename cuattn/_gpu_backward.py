@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from . import _dispatch
+from . import _dispatch, _split
 from ._checks import AttentionCall, lse_dtype, sum_to_shape
 from ._gpu_plan import (
     FORWARD_SLOTS,
@@ -17,7 +17,7 @@ from ._gpu_plan import (
     packed_table,
 )
 from ._kernels import get_kernel
-from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
+from ._launch import Launch, broadcast_strides, device_limits, layout, sm_count, stride_fields
 from ._params import new_block
 from .families._common import DENSE, PACKED
 
@@ -35,8 +35,15 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
     those axes (a deterministic CuPy reduction). ``packed``: a packed call's (q_offsets,
     k_offsets) in host memory, run in one grid per kernel by the family's packed instances;
     None where the family has none (the caller runs the sequences as dense calls).
-    ``kernel`` and ``tiles`` force a family and its tiles (tests)."""
+    ``kernel`` and ``tiles`` force a family and its tiles (tests). Query groups that share
+    their keys run folded into rows (:func:`cuattn._split.fold_backward`) unless a family,
+    tiles or a packed call is given."""
     cupy = call.xp
+    if kernel is None and tiles is None and packed is None:
+        folded = _split.fold_backward(call, dout, out, lse, sm_count(call.q.device.id))
+        if folded is not None:
+            grads = backward(*folded)
+            return tuple(g.reshape(x.shape) for g, x in zip(grads, (call.q, call.k, call.v)))
     acc = lse_dtype(call.dtype)
     batch = call.batch_shape
     nbatch = math.prod(batch)
