@@ -230,6 +230,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
     // bias tiles, or a ragged call's last V tile), the consumers take the rest of the
     // block's allocation at launch (384 threads x 168)
     constexpr bool RAGGED_KEYS = RAGGED != DENSE;  // keys end before the maps' rows do
+    // the producer warpgroup's named barrier (the consumers' turns take 1 .. NUM_WG)
+    constexpr int PRODUCER_BAR = NUM_WG + 1;
     constexpr int PRODUCER_REGS = SIDE || RAGGED_KEYS ? 40 : 24,
                   CONSUMER_REGS = SIDE || RAGGED_KEYS ? 232 : 240;
     static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536,
@@ -352,6 +354,9 @@ __global__ void __launch_bounds__(3 * 128, 1)
                             tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, row,
                                      vb.c2 + page2, vb.c1 + page1, vb.c0 + page0, bar);
                 }
+                // the copier comes here once the slot is free (produce_tiles waited for
+                // it): the other producer threads wait for it at a named barrier
+                if (v_by_threads) bar_sync(PRODUCER_BAR, 128);
                 if (v_by_threads)  // (PAGED: at the tile's page, common.cuh)
                     load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
                         reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
@@ -361,9 +366,10 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 if (staged || v_by_threads) cp_async_arrive(bar);
             };
             if (tail_only) {  // the last tile alone, where its V reaches past the keys' end
+                // its slot is free when the copier reaches it (fill's named barrier): a
+                // parity wait here could take an earlier phase of the slot for its own
                 const int t = un.tiles - 1, g = ring + t;  // its fill in produce_tiles
                 if (t < 0 || un.n_lo + t * BLOCK_N + BLOCK_N <= p.seqlen_k) return 0;
-                if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
                 fill(t, g % STAGES, full + 8 * (g % STAGES));
                 return 0;
             }
