@@ -106,6 +106,10 @@ class AttentionCall:
     k_lengths: Any = None
     k_lengths_from: int = 0
     k_lengths_step: int = 0
+    #: paged keys and values that the GPU kernels read in place (cuattn._paged.Pages; PAGED
+    #: in common.cuh), with key lengths: k and v are then zero-stride stand-ins at the pools'
+    #: first element, of the shape of the keys and values the table describes
+    pages: Any = None
 
     @property
     def dtype(self) -> np.dtype:

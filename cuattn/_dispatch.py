@@ -185,10 +185,13 @@ def _choose(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem
 
 
 def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
-                     grad_dtypes, dout, kernel: str | None = None, tiles=None) -> BackwardChoice:
+                     grad_dtypes, dout, kernel: str | None = None, tiles=None,
+                     ragged: int = DENSE) -> BackwardChoice:
     """The kernels that serve a validated backward call. ``grad_dtypes`` are the storage
     types the kernels write (dK and dV, dQ): the input dtype, or the accumulator type for a
-    gradient that is summed over broadcast axes afterwards. ``tiles`` overrides the table."""
+    gradient that is summed over broadcast axes afterwards. ``tiles`` overrides the table.
+    ``ragged``: PACKED for a packed call (BackwardChoice.ragged says whether the kernels
+    run it in one grid each)."""
     forced = _forced_family(kernel, BACKWARD_FAMILIES, "has no backward in this build")
     bias_dtype = None if call.bias is None else call.bias.dtype
     aligned = mma_aligned(call) and _aligned(dout)
@@ -196,7 +199,7 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
                               call.mask is not None, tuple(np.dtype(g) for g in grad_dtypes),
                               aligned, cc, smem_limit, forced, tiles, call.precision,
                               _tf32_forward(call, cc, smem_limit,
-                                            os.environ.get("CUATTN_KERNEL") or None))
+                                            os.environ.get("CUATTN_KERNEL") or None), ragged)
     if choice is not None:
         return choice
     raise _no_family("backward kernel family", call, cc, forced)
@@ -205,9 +208,9 @@ def backward_kernels(call: AttentionCall, cc: tuple[int, int], smem_limit: int,
 @functools.lru_cache(maxsize=1024)
 def _choose_backward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, grad_dtypes, aligned,
                      cc, smem_limit, forced, tiles, precision=None,
-                     tf32_forward=False) -> BackwardChoice | None:
+                     tf32_forward=False, ragged=DENSE) -> BackwardChoice | None:
     req = Request(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc, smem_limit,
-                  precision, grad_dtypes, tf32_forward)
+                  precision, grad_dtypes, tf32_forward, ragged)
     return _first_family(BACKWARD_FAMILIES, req, forced, tiles)
 
 
@@ -240,9 +243,14 @@ def tf32_forward(dtype, head_dim, head_dim_v, bias_dtype, has_mask, aligned, cc,
 def mma_aligned(call: AttentionCall) -> bool:
     """May the mma families (and the pipelined portable kernel) copy q, k, v in 16-byte
     chunks? Unit column strides, every other stride a multiple of 16 bytes, 16-byte aligned
-    pointers, head dims multiples of 16 bytes (8 elements of 16 bits, 4 of float32)."""
+    pointers, head dims multiples of 16 bytes (8 elements of 16 bits, 4 of float32); paged
+    keys and values (call.pages): their pools' page and row strides too."""
     vec = 16 // call.dtype.itemsize
     if call.head_dim % vec or call.head_dim_v % vec:
+        return False
+    pages = call.pages
+    if pages is not None and any(s % vec for s in (pages.k_page, pages.v_page, pages.k_row,
+                                                   pages.v_row)):
         return False
     return all(_aligned(x) for x in (call.q, call.k, call.v))
 

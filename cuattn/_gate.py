@@ -186,16 +186,16 @@ def gate_calls(family):
 def forward_instances(arch: str):
     """Every (filename, name expression, fast) that dispatch picks on ``arch``, each family
     forced in turn as the tests do (see :func:`gate_calls`), dense, with packed sequences
-    (no mask or bias) and with key lengths. Fast: without mask and bias, aligned, and
-    dispatch's own pick (not only a forced family's): these must not spill."""
+    (no mask or bias), with key lengths and with paged keys. Fast: without mask and bias,
+    aligned, and dispatch's own pick (not only a forced family's): these must not spill."""
     from ._dispatch import FAMILIES, _choose
-    from .families._common import DENSE, KEY_LENGTHS, PACKED
+    from .families._common import DENSE, KEY_LENGTHS, PACKED, PAGED
     from .families.sm90_tf32 import PREPARATIONS
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in FAMILIES:
         for (dtype, d, dv, bias_dtype, has_mask, aligned, precision, fast), ragged in \
-                itertools.product(gate_calls(family), (DENSE, PACKED, KEY_LENGTHS)):
+                itertools.product(gate_calls(family), (DENSE, PACKED, KEY_LENGTHS, PAGED)):
             if ragged == PACKED and (has_mask or bias_dtype is not None):
                 continue
             choice = _choose(dtype, d, dv, bias_dtype, has_mask, aligned, cc, limit,
@@ -224,9 +224,11 @@ def forward_instances(arch: str):
 def backward_instances(arch: str):
     """Every (filename, name expression, fast) of the backward that dispatch picks on
     ``arch``, each family forced in turn (see :func:`gate_calls`), with either gradient
-    storage (the input dtype, or the accumulator type for broadcast inputs). Fast: no bias,
-    no mask, gradients in place, aligned, dispatch's own pick."""
+    storage (the input dtype, or the accumulator type for broadcast inputs), dense and for
+    a packed call (no mask or bias). Fast: no bias, no mask, gradients in place, aligned,
+    dispatch's own pick."""
     from ._dispatch import BACKWARD_FAMILIES, _choose_backward, tf32_forward
+    from .families._common import DENSE, PACKED
     cc, limit = GATE_TARGETS[arch]
     seen = {}
     for family in BACKWARD_FAMILIES:
@@ -235,14 +237,17 @@ def backward_instances(arch: str):
             # the forward of the call as dispatch picks it: TF32 or not
             tf32 = precision == "tf32" and tf32_forward(dtype, d, dv, bias_dtype, has_mask,
                                                         aligned, cc, limit)
-            for grads in ((dtype, dtype), (acc, acc)):
+            for grads, ragged in itertools.product(((dtype, dtype), (acc, acc)),
+                                                   (DENSE, PACKED)):
+                if ragged == PACKED and (has_mask or bias_dtype is not None):
+                    continue
                 choice = _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads, aligned,
-                                          cc, limit, family.name, None, precision, tf32)
-                if choice is None:  # the family does not serve arch
+                                          cc, limit, family.name, None, precision, tf32, ragged)
+                if choice is None or choice.ragged != ragged:  # the family does not serve
                     continue
                 picked = choice == _choose_backward(dtype, d, dv, bias_dtype, has_mask, grads,
                                                     aligned, cc, limit, None, None, precision,
-                                                    tf32)
+                                                    tf32, ragged)
                 for expr in (choice.magnitudes, choice.delta, choice.dkdv, choice.dq):
                     if expr is None:  # no magnitudes kernel
                         continue

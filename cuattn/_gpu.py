@@ -9,7 +9,6 @@ merge, replayed the same way. The backward is :mod:`cuattn._gpu_backward`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import numpy as np
@@ -22,75 +21,17 @@ from ._checks import (
     loaded_cupy,
     lse_dtype,
 )
-from ._kernels import get_kernel
-from ._launch import (
-    Launch,
-    LaunchLoop,
-    broadcast_strides,
-    device_limits,
-    layout,
-    offset_sets,
-    sm_count,
-    stride_fields,
+from ._gpu_plan import (
+    _forward_arrays,
+    _forward_plan,
+    _MagnitudesLaunch,
+    _prepared_plan,
 )
-from ._params import block_dtype, new_block
-from ._tma import TensorMaps, map_shape
-from .families._common import DENSE, KEY_LENGTHS, PACKED
+from ._launch import LaunchLoop, device_limits, sm_count
+from .families._common import DENSE, KEY_LENGTHS, PACKED, PAGED
 from .merge import stacked_plan
 
 __all__ = ["forward", "forward_parts", "repeated_call"]
-
-#: the forward's parameter-block slots (AttnParams), in order: a call writes their pointers
-FORWARD_SLOTS = ("q", "k", "v", "out", "lse", "mask", "bias", "k_lengths")
-
-
-def _forward_arrays(call: AttentionCall, out, lse) -> tuple:
-    """The arrays of the forward's eight parameter-block slots, in slot order: q, k, v, out,
-    lse, mask, bias, k_lengths (None where absent)."""
-    return call.q, call.k, call.v, out, lse, call.mask, call.bias, call.k_lengths
-
-
-def _forward_tensors(call: AttentionCall, out, lse, prepared=None):
-    """The forward's eight parameter-block slots: (array, strides over batch + its two last
-    axes), in :func:`_forward_arrays` order (key lengths: the batch axes and two of size
-    1). ``prepared``: the (k, v) slots' entries of prepared operands
-    (:func:`_prepared_plan`) in place of call.k and call.v."""
-    batch, sq_sk = call.batch_shape, (call.seqlen_q, call.seqlen_k)
-    q, k, v, out, lse, mask, bias, lengths = _forward_arrays(call, out, lse)
-    kv = prepared or [(k, broadcast_strides(k, batch + k.shape[-2:])),
-                      (v, broadcast_strides(v, batch + v.shape[-2:]))]
-    return [
-        (q, broadcast_strides(q, batch + q.shape[-2:])),
-        *kv,
-        (out, broadcast_strides(out, out.shape)),
-        (lse, None if lse is None else broadcast_strides(lse, lse.shape) + [0]),
-        (mask, mask is not None and broadcast_strides(mask, batch + sq_sk)),
-        (bias, bias is not None and broadcast_strides(bias, batch + sq_sk)),
-        (lengths, lengths is not None and broadcast_strides(lengths[..., None, None],
-                                                            batch + (1, 1))),
-    ]
-
-
-def _attn_fields(call: AttentionCall, extents, num_m: int, num_dv: int, strides) -> dict:
-    """The fields of AttnParams other than its pointers and ``magnitudes``, by name:
-    ``extents`` and ``strides`` from :func:`~cuattn._launch.layout`, ``num_m`` query blocks
-    and ``num_dv`` output-column tiles of the grid."""
-    lengths = call.k_lengths
-    return dict(batch1=extents[1], batch2=extents[2], seqlen_q=call.seqlen_q,
-                seqlen_k=call.seqlen_k, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
-                window_left=call.window_left, window_right=call.window_right,
-                num_m_blocks=num_m, num_dv_tiles=num_dv, scale=call.scale,
-                softcap=call.softcap, **stride_fields(FORWARD_SLOTS, strides[:40]),
-                k_lengths_size=0 if lengths is None else lengths.itemsize,
-                k_lengths_from=call.k_lengths_from, k_lengths_step=call.k_lengths_step)
-
-
-def _forward_launch(fn, grid: int, threads: int, shared_mem: int, fields: dict) -> Launch:
-    """A forward kernel's Launch: a call writes its eight pointers (FORWARD_SLOTS) and may
-    write ``magnitudes``."""
-    return Launch(fn, (grid, 1), threads, shared_mem, new_block("AttnParams", **fields),
-                  pointers=FORWARD_SLOTS, per_call="magnitudes")
-
 
 #: Forward launch plans by call signature (:func:`_plan_key`): callables of the call's
 #: pointers (:func:`_plan`) holding kernels, grids, shared memory and parameter blocks. A
@@ -113,79 +54,11 @@ def _plan_key(call: AttentionCall, device_id: int, kernel, tiles, chunks: int, l
     q, k, v = call.q, call.k, call.v
     return (device_id, _signature(q), _signature(k), _signature(v), _signature(call.mask),
             _signature(call.bias), _signature(call.out), _signature(lse),
-            _signature(call.k_lengths), call.k_lengths_from, call.k_lengths_step, call.scale,
+            _signature(call.k_lengths), call.k_lengths_from, call.k_lengths_step,
+            None if call.pages is None else call.pages.key(), call.scale,
             call.softcap, call.window_left, call.window_right, call.precision, call.return_lse,
             q.data.ptr % 16, k.data.ptr % 16, v.data.ptr % 16, kernel, tiles, chunks,
             os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
-
-
-def _forward_plan(call: AttentionCall, choice, out, lse, prepared=None, packed=None):
-    """(launch, offset sets): the dispatch choice and layout of a call as a
-    :class:`~cuattn._launch.Launch`; the offset sets are None when the batch axes collapse
-    into the kernel's three (one launch), else each launch's offsets from the slots' base
-    pointers (:class:`~cuattn._launch.LaunchLoop`). ``prepared``: as for
-    :func:`_forward_tensors`. ``packed``: a packed call's (q_offsets, k_offsets) in host
-    memory, for an instance that runs them in one grid (KernelChoice.ragged); its table
-    (:func:`packed_table`) is uploaded here and the Launch holds it."""
-    tensors = _forward_tensors(call, out, lse, prepared)
-    extents, strides, pointer_sets = layout(call.batch_shape, tensors)
-    maps = None
-    if choice.tma:  # the piped kernel, where the driver encodes the maps of q, k and v
-        maps = _tensor_maps(call, choice, extents, strides)
-        if maps is None or not maps.check([x.data.ptr for x, _ in tensors[:3]]):
-            if choice.fallback is None:
-                why = maps.refusal if maps is not None else \
-                    "the copy engine cannot read q, k or v with these strides"
-                raise NotImplementedError(
-                    f"no tensor maps for {choice.name_expression} ({why}) and no other "
-                    f"instance serves the call (a forced family?)")
-            return _forward_plan(call, choice.fallback, out, lse, prepared, packed)
-    fn = get_kernel(choice.filename, choice.name_expression, shared_mem=choice.shared_mem)
-    num_dv = -(-call.head_dim_v // choice.dv_tile)  # the mma family: always 1
-    table = None
-    if packed is None:
-        num_m = -(-call.seqlen_q // choice.tiles.block_m)
-        units = num_m * num_dv * math.prod(extents)
-    else:
-        table, num_m, units = packed_table(*packed, choice.tiles.block_m,
-                                           num_dv * math.prod(extents))
-    # a persistent instance: a block per SM (one fits), each taking units in turn
-    grid = min(units, sm_count(call.q.data.device_id)) if choice.persistent else units
-    fields = _attn_fields(call, extents, num_m, num_dv, strides)
-    if table is not None:
-        table = call.xp.asarray(table)
-        fields.update(packed=table.data.ptr, num_packed=(table.size - 1) // 5)
-    if maps is None:
-        launch = _forward_launch(fn, grid, choice.threads, choice.shared_mem, fields)
-    else:
-        launch = Launch(fn, (grid, 1), choice.threads, choice.shared_mem,
-                        new_block("FwdTmaParams", p=fields, units=units),
-                        pointers=tuple(f"p.{slot}" for slot in FORWARD_SLOTS),
-                        per_call="p.magnitudes", maps=maps)
-    if table is not None:
-        launch.table = table  # the packed call's table lives as long as its launch
-    return launch, offset_sets(tensors, pointer_sets)
-
-
-def packed_table(q_offsets, k_offsets, block_m: int, per_block: int):
-    """(table, query blocks, work units) of a packed call whose kernel takes ``block_m``
-    query rows per block and ``per_block`` work units per query block (its batch entries
-    and output-column tiles): the int32 table of common.cuh's sequence_unit, a PackedSeq
-    (first query row, first key, query rows, keys) for each sequence with query rows, by
-    key count, longest first (the costliest blocks start first), then the first work unit
-    of each of them and the total (cum)."""
-    q_offsets, k_offsets = np.asarray(q_offsets, np.int64), np.asarray(k_offsets, np.int64)
-    sq, sk = np.diff(q_offsets), np.diff(k_offsets)
-    active = np.flatnonzero(sq > 0)
-    order = active[np.argsort(-sk[active], kind="stable")]
-    blocks = -(-sq[order] // block_m)
-    cum = np.zeros(len(order) + 1, np.int64)
-    np.cumsum(blocks * per_block, out=cum[1:])
-    if cum[-1] >= 2 ** 31:
-        raise ValueError(f"a packed call of {cum[-1]} blocks: a grid holds fewer than 2^31")
-    seqs = np.stack([q_offsets[order], k_offsets[order], sq[order], sk[order]], axis=1)
-    return (np.concatenate([seqs.ravel(), cum]).astype(np.int32), int(blocks.sum()),
-            int(cum[-1]))
 
 
 def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = None,
@@ -218,20 +91,41 @@ def forward_packed(call: AttentionCall, ragged, out, lse, kernel: str | None = N
     return True
 
 
+def _ragged_mode(call: AttentionCall) -> int:
+    """The RAGGED mode of a dense call's instance: KEY_LENGTHS with key lengths, PAGED with
+    paged keys and values read in place, else DENSE."""
+    if call.k_lengths is None:
+        return DENSE
+    return KEY_LENGTHS if call.pages is None else PAGED
+
+
+def serves_paged(call: AttentionCall, kernel: str | None = None) -> bool:
+    """Whether dispatch's family for a validated CuPy call has an instance that reads paged
+    keys and values in place (PAGED)."""
+    cc, smem_limit = device_limits(call.q.data.device_id)
+    return _dispatch.forward_kernel(call, cc, smem_limit, kernel, None, PAGED).ragged == PAGED
+
+
 def forward_lengths(call: AttentionCall, lengths, kernel: str | None = None, tiles=None):
     """``(out, lse)`` of a validated CuPy call whose batch entries have key lengths
     (``lengths``: host, broadcast to the batch shape, within 0 .. Sk; or a CuPy integer
     array broadcastable to it, clipped by the kernels), read by the kernels
-    (KEY_LENGTHS): one dense call, folded and split as any other; None where dispatch's
-    family has no such instance. ``kernel`` and ``tiles`` as for :func:`forward`."""
+    (KEY_LENGTHS, or PAGED for paged keys and values, call.pages): one dense call, folded
+    and split as any other; None where dispatch's family has no such instance (never for
+    paged keys, which :func:`serves_paged` checked). ``kernel`` and ``tiles`` as for
+    :func:`forward`."""
     cupy = call.xp
     device_id = call.q.data.device_id
     if cupy.cuda.runtime.getDevice() != device_id:
         with cupy.cuda.Device(device_id):
             return forward_lengths(call, lengths, kernel, tiles)
     cc, smem_limit = device_limits(device_id)
-    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, KEY_LENGTHS)
-    if choice.ragged != KEY_LENGTHS:
+    mode = KEY_LENGTHS if call.pages is None else PAGED
+    choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, mode)
+    if choice.ragged != mode:
+        if mode == PAGED:
+            raise NotImplementedError(f"no instance reads paged keys and values in place "
+                                      f"for this call ({choice.name_expression})")
         return None
     if isinstance(lengths, np.ndarray):
         # the entries as given (the axes broadcast to the batch shape back to size 1), so
@@ -246,26 +140,9 @@ def forward_lengths(call: AttentionCall, lengths, kernel: str | None = None, til
     return _run(call, kernel, tiles, split)[:2]
 
 
-def _tensor_maps(call: AttentionCall, choice, extents, strides):
-    """The TensorMaps of q, k and v for the piped kernel (FwdTmaParams), or None where the
-    copy engine cannot read one of them (cuattn/_tma.py)."""
-    rows = (64, choice.tiles.block_n, choice.tiles.block_n)
-    sizes = ((call.head_dim, call.seqlen_q), (call.head_dim, call.seqlen_k),
-             (call.head_dim_v, call.seqlen_k))
-    shapes = [map_shape(cols, n, extents, strides[5 * i:5 * i + 5], call.dtype.itemsize, r)
-              for i, ((cols, n), r) in enumerate(zip(sizes, rows))]
-    if None in shapes:
-        return None
-    dtype = block_dtype("FwdTmaParams")
-    try:
-        return TensorMaps(shapes, [dtype.fields[f"{x}_map"][1] for x in "qkv"])
-    except (OSError, AttributeError):  # no driver library, or one without tensor maps
-        return None
-
-
 def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: int):
     """The launch plan of a call's signature in ``chunks`` key chunks (1: no split), kept
-    per signature (:func:`_plan_key`): a callable with the call's eight slot pointers
+    per signature (:func:`_plan_key`): a callable with the call's nine slot pointers
     (FORWARD_SLOTS; 0 for an absent one) and the stream, which runs everything the call
     needs. ``out`` and ``lse``: this call's, for their layout."""
     key = _plan_key(call, device_id, kernel, tiles, chunks, lse)
@@ -276,7 +153,7 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
         plan = _SplitLaunch(call, chunks, device_id, out, lse)
     else:
         cc, smem_limit = device_limits(device_id)
-        ragged = DENSE if call.k_lengths is None else KEY_LENGTHS
+        ragged = _ragged_mode(call)
         choice = _dispatch.forward_kernel(call, cc, smem_limit, kernel, tiles, ragged)
         if choice.prepare:  # operands prepared per call (tile images), then the kernel
             plan = _prepared_plan(call, choice, out, lse)
@@ -376,7 +253,7 @@ def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_ls
                 return None  # the long way names the overlap
     lse = ndarray(lse_shape, lse_dt) if return_lse else None
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-            *pointers, 0], cupy.cuda.get_current_stream().ptr)
+            *pointers, 0, 0], cupy.cuda.get_current_stream().ptr)  # no lengths, no pages
     return (out, lse) if return_lse else out
 
 
@@ -459,7 +336,7 @@ def forward_parts(parts) -> None:
 
 class _SplitLaunch:
     """The plan of a call in key chunks (``cuattn._split``), called as a Launch with the
-    call's eight pointers: new buffers for the partial results (CuPy's pool, on the stream
+    call's nine pointers: new buffers for the partial results (CuPy's pool, on the stream
     of the launches, so reused only after the merge that reads them), the plans of the two
     part calls over offsets of q, k, v and those buffers, then the merge into out and lse
     (a new lse where the call returns none). A mask or bias is read in place, in chunks
@@ -470,11 +347,10 @@ class _SplitLaunch:
         outs, lses = _split.buffers(call, n)
         if lse is None:  # the layout of the scratch lse of each call
             lse = cupy.ndarray(call.lse_shape, lses.dtype)
-        bases = (call.q, call.k, call.v, outs, lses, call.mask, call.bias, call.k_lengths)
+        bases = _forward_arrays(call, outs, lses)
         self._parts = []
         for part, part_lse in _split.parts(call, n, outs, lses):
-            arrays = (part.q, part.k, part.v, part.out, part_lse, part.mask, part.bias,
-                      part.k_lengths)
+            arrays = _forward_arrays(part, part.out, part_lse)
             plan = _plan(part, device_id, None, None, part.out, part_lse, 1)
             self._parts.append((plan, [None if x is None else x.data.ptr - b.data.ptr
                                        for x, b in zip(arrays, bases)]))
@@ -485,111 +361,11 @@ class _SplitLaunch:
     def __call__(self, pointers, stream_ptr: int) -> None:
         outs_shape, dtype, lses_shape, lse_dt, lse_shape = self._shapes
         outs, lses = self._ndarray(outs_shape, dtype), self._ndarray(lses_shape, lse_dt)
-        q, k, v, out, lse, mask, bias, lengths = pointers
+        q, k, v, out, lse, mask, bias, lengths, table = pointers
         if not lse:
             scratch = self._ndarray(lse_shape, lse_dt)
             lse = scratch.data.ptr
-        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias, lengths)
+        bases = (q, k, v, outs.data.ptr, lses.data.ptr, mask, bias, lengths, table)
         for plan, offsets in self._parts:
             plan([0 if o is None else b + o for b, o in zip(bases, offsets)], stream_ptr)
         self._merge(out, lse, outs.data.ptr, lses.data.ptr, stream_ptr)
-
-
-def _prepared_plan(call: AttentionCall, choice, out, lse):
-    """The plan (a :class:`_PreparedLaunch`) of the piped sm90_tf32 instance
-    (attention_sm90_tf32.cu, attention_fwd_sm90_tf32_piped), which reads K and V prepared
-    per call: per batch entry of k, its tile images (tf32_image_k: each tile of block_n keys
-    rounded to TF32 in the shared-memory layout), per batch entry of v its V^T tile images
-    (tf32_image_vt)."""
-    cupy = call.xp
-    sk, bn = call.seqlen_k, choice.tiles.block_n
-    tiles = -(-sk // bn)
-    entries, preps = [], []
-    for name, x, cols, src_cols in (("k", call.k, choice.d_tile, call.head_dim),
-                                    ("vt", call.v, choice.dv_tile, call.head_dim_v)):
-        own = x.shape[:-2]  # the input's own batch axes (1 where broadcast)
-        images = cupy.empty(own + (tiles, bn * cols), np.float32)
-        preps.append(_tf32_prep_plan(choice.filename, f"tf32_image_{name}", x, images, bn,
-                                     cols, sk, src_cols))
-        strides = [0 if n == 1 else st // images.itemsize for n, st in zip(own, images.strides)]
-        entries.append((images, [0] * (len(call.batch_shape) - len(own)) + strides
-                        + [images.shape[-1], 1]))
-    launch, loop = _forward_plan(call, choice, out, lse, entries)
-    return _PreparedLaunch(cupy, [x.shape for x, _ in entries], preps,
-                           launch if loop is None else LaunchLoop(launch, loop))
-
-
-class _MagnitudesLaunch:
-    """A forward launch that needs its call's largest magnitudes (sm90_3xf16): per call, a
-    zeroed float[entries][5] (CuPy's pool, on the stream of the launches), the magnitudes
-    kernel (MAGNITUDE_ROWS rows of q, k and v per block), then the forward, each with the
-    buffer's address in its parameter block. Called as a Launch."""
-
-    def __init__(self, call: AttentionCall, choice, launch, out, lse):
-        cupy = call.xp
-        extents, strides, _ = layout(call.batch_shape, _forward_tensors(call, out, lse))
-        self._entries = math.prod(extents)
-        chunks = -(-max(call.seqlen_q, call.seqlen_k) // MAGNITUDE_ROWS)
-        fn = get_kernel(choice.filename, choice.magnitudes)
-        self._magnitudes = _forward_launch(fn, chunks * self._entries, 256, 0,
-                                           _attn_fields(call, extents, chunks, 1, strides))
-        self._zeros, self._launch = cupy.zeros, launch
-
-    def __call__(self, pointers, stream_ptr: int) -> None:
-        buf = self._zeros(self._entries * 5, np.float32)
-        self._magnitudes(pointers, stream_ptr, buf.data.ptr)
-        self._launch(pointers, stream_ptr, buf.data.ptr)
-
-
-class _PreparedLaunch:
-    """The launches of one call signature of a piped instance (:func:`_prepared_plan`),
-    called as a :class:`~cuattn._launch.Launch` with the call's eight pointers: new
-    K and V^T images (from CuPy's pool, on the stream of the launches, so reused only after
-    the kernel that reads them), their two preparations (none without keys), the kernel."""
-
-    def __init__(self, cupy, shapes, preps, launch):
-        self._ndarray, self._shapes, self._preps, self._launch = cupy.ndarray, shapes, preps, launch
-
-    def __call__(self, pointers, stream_ptr: int) -> None:
-        k_images = self._ndarray(self._shapes[0], np.float32)
-        vt_images = self._ndarray(self._shapes[1], np.float32)
-        k_ptr, vt_ptr = k_images.data.ptr, vt_images.data.ptr
-        for prep, src, dst in zip(self._preps, pointers[1:3], (k_ptr, vt_ptr)):
-            if prep is not None:
-                prep((src, dst), stream_ptr)
-        self._launch([pointers[0], k_ptr, vt_ptr, *pointers[3:]], stream_ptr)
-
-
-def _tf32_prep_plan(filename: str, expr: str, src, images, rows: int, cols: int, src_rows: int,
-                    src_cols: int):
-    """One tf32_image_k / tf32_image_vt preparation, called with the (source, images)
-    pointers: a Launch, or a LaunchLoop where the input's batch axes do not collapse into
-    three. ``rows`` keys per tile, ``cols`` the padded head dim. None when there are no
-    keys: nothing to prepare."""
-    if src_rows == 0:
-        return None
-    own = src.shape[:-2]
-    src_strides = broadcast_strides(src, src.shape)
-    dst_strides = broadcast_strides(images, images.shape)
-    nb = len(own)
-    tensors = [(src, src_strides), (images, dst_strides[:nb] + [images.shape[-1], 1])]
-    extents, strides, pointer_sets = layout(own, tensors)
-    count = math.prod(extents)
-    key_tiles = -(-src_rows // rows)
-    if expr.startswith("tf32_image_k"):  # one thread per 16-byte chunk of a tile's keys
-        size = key_tiles * rows * cols
-        grid = (max(1, min(-(-size // 1024), 4096)), min(count, 65535))
-    else:  # one block per 32 keys x 32 columns
-        grid = (key_tiles * rows // 32 * (cols // 32), min(count, 65535))
-    fn = get_kernel(filename, expr)
-    block = new_block("Tf32Prep", entries=count, batch1=extents[1], batch2=extents[2],
-                      rows=rows, cols=cols, src_rows=src_rows, src_cols=src_cols,
-                      src_s=tuple(strides[:5]))
-    launch = Launch(fn, grid, 256, 0, block, pointers=("src", "dst"))
-    loop = offset_sets(tensors, pointer_sets)
-    return launch if loop is None else LaunchLoop(launch, loop)
-
-
-#: Rows of q (and of k) per block of attention_bwd_magnitudes (MAG_ROWS in
-#: cuda/sm90/attention_backward_sm90_3xf16.cu)
-MAGNITUDE_ROWS = 16

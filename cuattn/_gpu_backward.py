@@ -1,5 +1,5 @@
 """The GPU backward: delta, then the dK/dV and dQ kernels of a validated CuPy call, through
-the forward's parameter block (:mod:`cuattn._gpu`) and the same
+the forward's parameter block (:mod:`cuattn._gpu_plan`) and the same
 :class:`~cuattn._launch.Launch`."""
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import math
 
 import numpy as np
 
-from . import _dispatch
+from . import _dispatch, _split
 from ._checks import AttentionCall, lse_dtype, sum_to_shape
-from ._gpu import FORWARD_SLOTS, MAGNITUDE_ROWS, _attn_fields, _forward_tensors
+from ._gpu_plan import (
+    FORWARD_SLOTS,
+    MAGNITUDE_ROWS,
+    _attn_fields,
+    _forward_tensors,
+    packed_table,
+)
 from ._kernels import get_kernel
-from ._launch import Launch, broadcast_strides, device_limits, layout, stride_fields
+from ._launch import Launch, broadcast_strides, device_limits, layout, sm_count, stride_fields
 from ._params import new_block
+from .families._common import DENSE, PACKED
 
 __all__ = ["backward"]
 
@@ -20,12 +27,23 @@ __all__ = ["backward"]
 BACKWARD_SLOTS = ("dout", "delta", "dq", "dk", "dv")
 
 
-def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None):
+def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, tiles=None,
+             packed=None):
     """dq, dk, dv of a validated CuPy call: delta, then the dK/dV and dQ kernels (after the
     magnitudes kernel where the family has one). A gradient of an input that was broadcast
     over batch axes is computed per batch entry in the accumulator type and summed over
-    those axes (a deterministic CuPy reduction)."""
+    those axes (a deterministic CuPy reduction). ``packed``: a packed call's (q_offsets,
+    k_offsets) in host memory, run in one grid per kernel by the family's packed instances;
+    None where the family has none (the caller runs the sequences as dense calls).
+    ``kernel`` and ``tiles`` force a family and its tiles (tests). Query groups that share
+    their keys run folded into rows (:func:`cuattn._split.fold_backward`) unless a family,
+    tiles or a packed call is given."""
     cupy = call.xp
+    if kernel is None and tiles is None and packed is None:
+        folded = _split.fold_backward(call, dout, out, lse, sm_count(call.q.device.id))
+        if folded is not None:
+            grads = backward(*folded)
+            return tuple(g.reshape(x.shape) for g, x in zip(grads, (call.q, call.k, call.v)))
     acc = lse_dtype(call.dtype)
     batch = call.batch_shape
     nbatch = math.prod(batch)
@@ -39,8 +57,11 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
         kv_dtype = call.dtype if direct[1] else acc
         q_dtype = call.dtype if direct[0] else acc
         cc, smem_limit = device_limits(call.q.device.id)
+        ragged = DENSE if packed is None else PACKED
         choice = _dispatch.backward_kernels(call, cc, smem_limit, (kv_dtype, q_dtype), dout,
-                                            kernel, tiles)
+                                            kernel, tiles, ragged)
+        if choice.ragged != ragged:
+            return None
         targets = [cupy.empty(x.shape if d else batch + x.shape[-2:], g)
                    for x, d, g in zip(inputs, direct, (q_dtype, kv_dtype, kv_dtype))]
         delta = cupy.empty(call.lse_shape, acc)
@@ -72,20 +93,38 @@ def backward(call: AttentionCall, dout, out, lse, kernel: str | None = None, til
             launches.insert(0, (choice.magnitudes, 0, 256, chunks, 1, chunks * inner))
         kernels = [get_kernel(choice.filename, expr, shared_mem=smem)
                    for expr, smem, *_ in launches]
+        # a packed call's dK/dV and dQ grids: the key or query blocks of every sequence, and
+        # their tables (packed_table); the uploaded tables live until the launches are done
+        tables = {}
+        if packed is not None:
+            for expr, rows, per_block, keys in (
+                    (choice.dkdv, choice.dkdv_rows, dkdv_cols * inner, True),
+                    (choice.dq, choice.dq_rows, dq_cols * inner, False)):
+                table, blocks, units = packed_table(
+                    *packed, rows, per_block, keys, (call.window_left, call.window_right))
+                table = cupy.asarray(table)
+                tables[expr] = (table, blocks, units)
         forward_fields = _attn_fields(call, extents, 0, 0, strides)
         if choice.magnitudes is not None:
             forward_fields["magnitudes"] = magnitudes.data.ptr
         stream = cupy.cuda.get_current_stream().ptr
+        slots = len(FORWARD_SLOTS)
         for pointers in pointer_sets:
             block = new_block("AttnBwdParams", f={**forward_fields,
-                                                  **dict(zip(FORWARD_SLOTS, pointers[:8]))},
-                              **dict(zip(BACKWARD_SLOTS, pointers[8:])),
-                              **stride_fields(BACKWARD_SLOTS, strides[40:]))
+                                                  **dict(zip(FORWARD_SLOTS, pointers[:slots]))},
+                              **dict(zip(BACKWARD_SLOTS, pointers[slots:])),
+                              **stride_fields(BACKWARD_SLOTS, strides[5 * slots:]))
             if choice.magnitudes is not None:
                 magnitudes.fill(0)
-            for fn, (_, smem, threads, rows, cols, blocks) in zip(kernels, launches):
+            for fn, (expr, smem, threads, rows, cols, blocks) in zip(kernels, launches):
+                block["f"]["packed"] = block["f"]["num_packed"] = 0
+                if expr in tables:
+                    table, rows, blocks = tables[expr]
+                    block["f"]["packed"] = table.data.ptr
+                    block["f"]["num_packed"] = rows
                 block["num_row_blocks"], block["num_col_tiles"] = rows, cols
-                Launch(fn, (blocks, 1), threads, smem, block)((), stream)
+                if blocks:
+                    Launch(fn, (blocks, 1), threads, smem, block)((), stream)
         grads = []
         for x, d, g in zip(inputs, direct, targets):
             if not d:

@@ -5,21 +5,90 @@ lists the pages of batch entry b in order, so that its keys are the rows of thos
 one after another: the keys and values of a dense call ``(B, ..., max_pages · page_size,
 D)``, which is how the call is validated (``_checks_ragged.check_paged``, then the dense checks
 on zero-stride stand-ins of that shape). It runs on the table columns that the entries'
-lengths reach: their pages are gathered into one array for the keys and one for the values
-(one indexed copy each), and the call goes on as a call with key lengths (``_ragged``).
-With key lengths in device memory, which are not read on the host, every column of the
-table is gathered.
+lengths reach (every column with key lengths in device memory, which are not read on the
+host), as a call with key lengths (``_ragged``), in one of two ways (:func:`prepared`):
+
+- in place (:func:`in_place`), on the GPU where the page size is a multiple of
+  PAGE_ROWS and dispatch's family has instances that read pages (PAGED in common.cuh;
+  16-bit inputs): the kernels look each key tile's page up in the table, so the call reads
+  the pools as a dense call reads its keys;
+- gathered (:func:`gathered`) otherwise: the pages are copied into one array for the keys
+  and one for the values (one indexed copy each).
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ._checks import AttentionCall
 from ._checks_ragged import Paged, Ragged, check_pages_used
 
-__all__ = ["gathered"]
+__all__ = ["prepared", "in_place", "gathered", "Pages", "PAGE_ROWS"]
+
+#: rows per page that the kernels read in place: a multiple of every key tile of the
+#: instances that read pages, so that a tile lies inside one page (key_rows in common.cuh)
+PAGE_ROWS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """Paged keys and values as the GPU kernels read them in place (AttnParams.pages and
+    the page fields): the table (int32 on the device, the call's batch axes with the table's
+    rows on the pools' page axis' place, then its columns), rows per page, pages in the
+    pools, and the element strides from page to page and from row to row of each pool."""
+    table: Any
+    page_size: int
+    num_pages: int
+    k_page: int
+    v_page: int
+    k_row: int
+    v_row: int
+
+    def key(self) -> tuple:
+        """What a launch plan depends on (the table's address aside)."""
+        t = self.table
+        return (t.shape, t.strides, self.page_size, self.num_pages, self.k_page, self.v_page,
+                self.k_row, self.v_row)
+
+
+def prepared(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall:
+    """The validated call (on ``paged``'s stand-ins) as the call with key lengths that runs
+    it: :func:`in_place` where the kernels read the pages, else :func:`gathered`."""
+    return in_place(call, paged, ragged) or gathered(call, paged, ragged)
+
+
+def in_place(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall | None:
+    """The call that reads the pools in place (call.pages), its keys cut to the table
+    columns that host key lengths reach; None where the kernels cannot read them: NumPy, a
+    page size that is not a multiple of PAGE_ROWS, or a family without such instances."""
+    if call.xp is np or paged.page_size % PAGE_ROWS:
+        return None
+    from ._gpu import serves_paged
+    if not serves_paged(call):
+        return None
+    lengths = ragged.k_lengths
+    used = (check_pages_used(paged, lengths) if isinstance(lengths, np.ndarray)
+            else paged.table.shape[1])
+    keys = used * paged.page_size
+    xp, table = call.xp, call.xp.asarray(paged.table)
+    if table.dtype != np.int32:  # the kernels clamp a page outside the pools: so may this
+        table = xp.clip(table, -1, paged.k_pages.shape[0]).astype(np.int32)
+    # the table's rows stand on the pools' page axis, followed by one of size 1 per other
+    # leading axis of the pools, then its columns
+    mid = paged.k_pages.ndim - 3
+    table = table.reshape((table.shape[0],) + (1,) * mid + (table.shape[1],))
+    kp, vp = paged.k_pages, paged.v_pages
+    pages = Pages(table=table, page_size=paged.page_size, num_pages=kp.shape[0],
+                  k_page=kp.strides[0] // kp.itemsize, v_page=vp.strides[0] // vp.itemsize,
+                  k_row=kp.strides[-2] // kp.itemsize, v_row=vp.strides[-2] // vp.itemsize)
+    mask, bias = (None if x is None else x[..., :keys] if x.shape[-1] > 1 else x
+                  for x in (call.mask, call.bias))
+    # the stand-ins' rows have stride 0: cutting them keeps their address (the pools')
+    return dataclasses.replace(call, k=call.k[..., :keys, :], v=call.v[..., :keys, :],
+                               mask=mask, bias=bias, seqlen_k=keys, pages=pages)
 
 
 def gathered(call: AttentionCall, paged: Paged, ragged: Ragged) -> AttentionCall:

@@ -1,10 +1,11 @@
 """Packed sequences and key lengths, as dense calls.
 
 On the GPU, a packed call whose kernel family has packed instances is one grid over every
-sequence (``_gpu.forward_packed``), and a call with key lengths whose family has instances
-that read them is one dense call (``_gpu.forward_lengths``). Otherwise a packed call is one
-dense call per sequence: rows ``q_offsets[s]:q_offsets[s+1]`` against keys
-``k_offsets[s]:k_offsets[s+1]``, written into its rows of the output and of the lse.
+sequence (``_gpu.forward_packed``; its backward too, ``_gpu_backward.backward``), and a
+call with key lengths whose family has instances that read them is one dense call
+(``_gpu.forward_lengths``). Otherwise a packed call is one dense call per sequence:
+rows ``q_offsets[s]:q_offsets[s+1]`` against keys ``k_offsets[s]:k_offsets[s+1]``, written
+into its rows of the output and of the lse.
 A call with ``k_lengths`` is one dense call per run of equal entries of the lengths array
 (neighbours along one batch axis): the batch entries of the run, against their first
 ``k_lengths[b]`` keys. Each dense call is
@@ -173,6 +174,13 @@ def backward(call: AttentionCall, ragged: Ragged, dout, out, lse):
     dense part's gradients added into float32 (float64 for float64) arrays of the inputs'
     shapes, rounded once; device key lengths: the dense masked call's."""
     from .attention import _backward, attention_backward
+    if ragged.k_lengths is None and call.xp is not np:
+        from ._gpu_backward import backward as gpu_backward
+        offsets = tuple(x if isinstance(x, np.ndarray) else x.get()
+                        for x in (ragged.q_offsets, ragged.k_offsets))
+        grads = gpu_backward(call, dout, out, lse, packed=offsets)  # one grid per kernel
+        if grads is not None:
+            return grads
     if not ragged.on_host:
         return _backward(as_masked(call, ragged.k_lengths), dout, out, lse)
     xp, kw = call.xp, {**call.keywords(), "window": call.window}

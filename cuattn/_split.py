@@ -39,7 +39,8 @@ MAX_CHUNKS = 64
 ROWS_PER_BLOCK = 64
 
 
-def fold_groups(call: AttentionCall, copy: bool = False) -> AttentionCall | None:
+def fold_groups(call: AttentionCall, copy: bool = False,
+                rows: int | None = ROWS_PER_BLOCK) -> AttentionCall | None:
     """The call with q's innermost batch axis (G entries) folded into its query rows, or
     None where that is not exact or does not pay.
 
@@ -48,18 +49,20 @@ def fold_groups(call: AttentionCall, copy: bool = False) -> AttentionCall | None
     lengths make for one query row), a band that allows every key to every row
     (bottom-right aligned: ``window_right >= Sq - 1`` and ``window_left >= Sk - 1``, e.g.
     causal with one query row), and q and ``out`` whose G and Sq axes are one run of rows
-    (always so for Sq = 1). It pays while Sq is under one block of rows: each block then
-    reads its keys for G times as many rows. The folded call's q and out are views of the
-    call's: (..., 1, G * Sq, D); so are its results. With ``copy``, a q whose G and Sq axes
-    are not one run is copied into one, and an out that is not is left out of the folded
-    call (:func:`run_folded` copies the result into it), so that whether a call folds never
-    depends on its strides.
+    (always so for Sq = 1). It pays while Sq is under ``rows``, one block of rows (None: at
+    any Sq): each block then reads its keys for G times as many rows. The folded call's q
+    and out are views of the call's: (..., 1, G * Sq, D); so are its results. With
+    ``copy``, a q whose G and Sq axes are not one run is copied into one, and an out that
+    is not is left out of the folded call (:func:`run_folded` copies the result into it),
+    so that whether a call folds never depends on its strides.
     """
     batch, sq, sk = call.batch_shape, call.seqlen_q, call.seqlen_k
     lengths = call.k_lengths
-    if (not batch or batch[-1] == 1 or sq == 0 or sq >= ROWS_PER_BLOCK
+    table = None if call.pages is None else call.pages.table  # (..., pages)
+    if (not batch or batch[-1] == 1 or sq == 0 or rows is not None and sq >= rows
             or not all(_per_key(x) for x in (call.mask, call.bias))
-            or lengths is not None and lengths.ndim and lengths.shape[-1] != 1):
+            or lengths is not None and lengths.ndim and lengths.shape[-1] != 1
+            or table is not None and table.ndim > 1 and table.shape[-2] != 1):
         return None
     if any(x.ndim >= 3 and x.shape[-3] != 1 for x in (call.k, call.v)):
         return None
@@ -76,6 +79,29 @@ def fold_groups(call: AttentionCall, copy: bool = False) -> AttentionCall | None
         return None
     return dataclasses.replace(call, q=q, out=out, batch_shape=batch[:-1] + (1,),
                                seqlen_q=batch[-1] * sq, window_left=-1, window_right=-1)
+
+
+def fold_backward(call: AttentionCall, dout, out, lse, sm_count: int):
+    """``(call, dout, out, lse)`` of a validated backward call with its query groups folded
+    into rows (:func:`fold_groups`, at any Sq, with copies where strides do not fold), or
+    None where that is not exact or does not pay. Folded, the dK/dV kernel of each key
+    head accumulates over the rows of all its groups, so dK and dV are written once in the
+    input dtype, instead of once per group in the accumulator dtype and then summed; it
+    pays while the folded dK/dV grid (batch entries x tiles of 128 keys) still fills the
+    GPU twice over."""
+    batch = call.batch_shape
+    if not batch or math.prod(batch[:-1]) * -(-call.seqlen_k // 128) < 2 * sm_count:
+        return None
+    folded = fold_groups(call, copy=True, rows=None)
+    if folded is None:
+        return None
+    xp, sq = call.xp, call.seqlen_q
+    arrays = []
+    for x in (dout, out, lse[..., None]):
+        y = _rows_folded(x, sq)
+        arrays.append(y if y is not None else _rows_folded(xp.ascontiguousarray(x), sq))
+    dout, out, lse = arrays
+    return folded, dout, out, lse[..., 0]
 
 
 def _per_key(x) -> bool:
@@ -146,12 +172,22 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
     if blocks == 0 or 2 * blocks > sm_count:
         return 1
     n = min(MAX_CHUNKS, -(-2 * sm_count // blocks), call.seqlen_k // MIN_CHUNK)
+    if call.pages is not None:  # chunks of whole pages
+        n = min(n, call.seqlen_k // call.pages.page_size)
     if n < 2:
         return 1
-    tail = call.seqlen_k - (n - 1) * (call.seqlen_k // n)
+    tail = call.seqlen_k - (n - 1) * chunk_width(call, n)
     if call.window_right >= 0 and tail < call.seqlen_q - call.window_right:
         return 1
     return n
+
+
+def chunk_width(call: AttentionCall, n: int) -> int:
+    """Keys in each of the first ``n - 1`` chunks: ``Sk // n``, or, for paged keys and
+    values, that rounded down to whole pages (a key tile lies in one page: key_rows in
+    common.cuh; :func:`split_count` leaves a page at least)."""
+    width = call.seqlen_k // n
+    return width if call.pages is None else width - width % call.pages.page_size
 
 
 def buffers(call: AttentionCall, n: int):
@@ -169,11 +205,14 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
     chunks as one more batch axis (q broadcast over it), with no band: every row sees every
     key there (:func:`split_count`); the second runs the last chunk with the call's band."""
     sk = call.seqlen_k
-    width = sk // n
+    width = chunk_width(call, n)
     head = (n - 1) * width  # keys of the first n - 1 chunks
     batch = call.batch_shape
 
     def chunked(x):  # (..., Sk, D) -> (..., n - 1, L, D): a view
+        if call.pages is not None:  # the pools' stand-ins: the kernels find each chunk's pages
+            return call.xp.broadcast_to(x[..., None, :width, :],
+                                        x.shape[:-2] + (n - 1, width, x.shape[-1]))
         return x[..., :head, :].reshape(x.shape[:-2] + (n - 1, width, x.shape[-1]))
 
     first = dict(q=call.q[..., None, :, :], k=chunked(call.k), v=chunked(call.v),
@@ -188,6 +227,9 @@ def parts(call: AttentionCall, n: int, outs, lses) -> list:
         first.update(k_lengths=call.k_lengths[..., None], k_lengths_from=call.k_lengths_from,
                      k_lengths_step=width if n > 2 else 0)
         last.update(k_lengths_from=call.k_lengths_from + head)
+    if call.pages is not None:  # the page table: its rows as the lengths' (no key offset)
+        first.update(pages=dataclasses.replace(call.pages,
+                                               table=call.pages.table[..., None, :]))
     return [(_part(call, first, outs[..., :n - 1, :, :], batch + (n - 1,), width, -1),
              lses[..., :n - 1, :]),
             (_part(call, last, outs[..., n - 1, :, :], batch, sk - head, call.window_right),

@@ -125,7 +125,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
                            precision=precision, out=out)
     ragged = None if plain else _check_ragged(call, *ragged_args)
     if paged is not None:
-        call = _paged.gathered(call, paged, ragged)
+        call = _paged.prepared(call, paged, ragged)
     out, lse = _forward(call) if ragged is None else _ragged.forward(call, ragged)
     return (out, lse) if call.return_lse else out
 

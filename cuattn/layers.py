@@ -188,7 +188,8 @@ class _KeptAttention:
 
     def __call__(self, q, k, v, out, causal, mask, precision):
         if self.plan is None:
-            from ._gpu import FORWARD_SLOTS, _run
+            from ._gpu import _run
+            from ._gpu_plan import FORWARD_SLOTS
             call = check_attention(q, k, v, causal=causal, mask=mask, precision=precision,
                                    out=out)
             self.plan = _run(call, None, None, True)[2]

@@ -119,21 +119,29 @@ def fake_cupy(monkeypatch, emulate, expected_pointers, threads, arrays: list):
     return grids
 
 
-def packed_sequences(memory, f):
-    """The sequences of a packed call's table (AttnParams.packed, common.cuh's
-    sequence_unit): [(first query row, first key, query rows, keys)], and the first work
-    unit of each with the total."""
+def packed_blocks(memory, f):
+    """The row blocks of a packed call's table (AttnParams.packed, common.cuh's
+    PackedBlock), in the grid's order: [(first query row, first key, query rows, keys,
+    row block)]."""
     n = int(f["num_packed"])
-    table = memory.view(f["packed"], np.int32, (5 * n + 1,), (1,))
-    return [tuple(int(x) for x in row) for row in table[:4 * n].reshape(n, 4)], table[4 * n:]
+    table = memory.view(f["packed"], np.int32, (n, 8), (8, 1))
+    return [tuple(int(x) for x in row[:5]) for row in table]
+
+
+def packed_sequences(memory, f):
+    """The sequences of a packed call's table: [(first query row, first key, query rows,
+    keys)], each once, in the order of their first row block."""
+    return list(dict.fromkeys(b[:4] for b in packed_blocks(memory, f)))
 
 
 def emulate_forward(memory, dtype):
     """A forward kernel (AttnParams) on host memory: per batch entry (and per packed
     sequence, AttnParams.packed), q, k, v and the mask read by their strides, the first
     k_lengths[b] - k_lengths_from - (b's index along batch axis 2) x k_lengths_step keys
-    where key lengths are given (within 0 .. Sk), ``attention_reference``, out (and lse
-    where its pointer is set) written by theirs. No bias."""
+    where key lengths are given (within 0 .. Sk), with paged keys and values (AttnParams.pages)
+    each key's row found through the table as key_rows in common.cuh does,
+    ``attention_reference``, out (and lse where its pointer is set) written by theirs. No
+    bias."""
     from cuattn._checks import lse_dtype
     from cuattn.reference import attention_reference
     dtype = np.dtype(dtype)
@@ -144,11 +152,12 @@ def emulate_forward(memory, dtype):
         units = int(block["units"]) if "units" in block.dtype.names else grid[0]
         q, k, v, out, lse, mask = pointers[:6]
         lengths = pointers[7] if len(pointers) > 7 else 0
+        table = pointers[8] if len(pointers) > 8 else 0
         sq, sk, d, dv = (int(f[n]) for n in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v"))
         window = tuple(None if w < 0 else int(w) for w in (f["window_left"], f["window_right"]))
         kw = {"scale": float(f["scale"]), "softcap": float(f["softcap"]) or None,
               "window": None if window == (None, None) else window}
-        sequences = packed_sequences(memory, f)[0] if f["packed"] else [(0, 0, sq, sk)]
+        sequences = packed_sequences(memory, f) if f["packed"] else [(0, 0, sq, sk)]
         for b in range(units // (f["num_m_blocks"] * f["num_dv_tiles"])):
             keys = None
             if lengths:
@@ -165,13 +174,40 @@ def emulate_forward(memory, dtype):
                                        (s["row"], s["col"])[:len(shape)])
                 allowed = at(mask, f["mask_s"], (rows, cols), 0, np.dtype(bool)) if mask \
                     else None
-                o, row_lse = attention_reference(
-                    at(q, f["q_s"], (rows, d), q0), at(k, f["k_s"], (cols, d), k0),
-                    at(v, f["v_s"], (cols, dv), k0), mask=allowed, **kw)
+                if table:
+                    keys_of = paged_rows(memory, f, table, b, cols, dtype)
+                    kk, vv = keys_of(k, "k", d), keys_of(v, "v", dv)
+                else:
+                    kk, vv = at(k, f["k_s"], (cols, d), k0), at(v, f["v_s"], (cols, dv), k0)
+                o, row_lse = attention_reference(at(q, f["q_s"], (rows, d), q0), kk, vv,
+                                                 mask=allowed, **kw)
                 at(out, f["out_s"], (rows, dv), q0)[...] = o
                 if lse:
                     at(lse, f["lse_s"], (rows,), q0, lse_dtype(dtype))[...] = row_lse
     return run
+
+
+def paged_rows(memory, f, table, b, cols, dtype):
+    """A function of (pool address, "k" or "v", columns) giving batch entry b's first
+    ``cols`` keys or values of paged pools (AttnParams.pages): key j of the call's chunk is
+    row (j0 + j) % page_size of page table[b][(j0 + j) // page_size], j0 the chunk's first
+    key, the page clamped to the pools (key_rows in common.cuh)."""
+    at_table = table + int(batch_offset(f["pages_s"], b, f)) * 4
+    j0 = int(f["k_lengths_from"] + b % f["batch2"] * f["k_lengths_step"])
+    size, col = int(f["page_size"]), int(f["pages_s"]["col"])
+
+    def rows(pool, name, width):
+        s = f[f"{name}_s"]
+        out = np.empty((cols, width), dtype)
+        for j in range(cols):
+            page = int(memory.read(at_table + (j0 + j) // size * col * 4, np.int32))
+            page = min(max(page, 0), int(f["num_pages"]) - 1)
+            offset = (batch_offset(s, b, f) + page * int(f[f"{name}_page"])
+                      + (j0 + j) % size * int(s["row"]))
+            out[j] = memory.view(pool + int(offset) * dtype.itemsize, dtype, (width,),
+                                 (int(s["col"]),))
+        return out
+    return rows
 
 
 def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
@@ -183,6 +219,7 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     ``launches`` as (kernel, pointers, stream). Plans made here stay here."""
     import cuattn._checks
     import cuattn._gpu
+    import cuattn._gpu_plan
     import cuattn._kernels
     import cuattn._launch
     import cuattn._tma
@@ -265,6 +302,8 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
     fake = types.SimpleNamespace(
         ndarray=Device, empty=Device, asarray=asarray, copyto=np.copyto,
         ascontiguousarray=np.ascontiguousarray,
+        broadcast_to=lambda x, shape: np.broadcast_to(x, shape, subok=True),
+        where=np.where, clip=np.clip, int32=np.int32,
         lib=np.lib, streams=streams,
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    Stream=Stream, get_current_stream=lambda: Stream.current))
@@ -274,12 +313,13 @@ def fake_gpu(monkeypatch, arrays: list, launches: list, dtype, emulations=None):
         if getattr(module, "as_array", None) is real_as_array:
             monkeypatch.setattr(module, "as_array", lambda x, name: (
                 (x, fake) if isinstance(x, Device) else real_as_array(x, name)))
-    monkeypatch.setattr(cuattn._gpu, "get_kernel", lambda f, expr, shared_mem=0: expr)
+    monkeypatch.setattr(cuattn._gpu_plan, "get_kernel", lambda f, expr, shared_mem=0: expr)
     monkeypatch.setattr(cuattn._kernels, "get_kernel", lambda f, expr, shared_mem=0: expr)
-    monkeypatch.setattr(cuattn._gpu, "Launch", Launch)
+    monkeypatch.setattr(cuattn._gpu_plan, "Launch", Launch)
     monkeypatch.setattr(cuattn._launch, "Launch", Launch)
     monkeypatch.setattr(cuattn._tma, "_encode_function", lambda: encode)
-    monkeypatch.setattr(cuattn._gpu, "sm_count", lambda device: 8)
+    for module in (cuattn._gpu, cuattn._gpu_plan):
+        monkeypatch.setattr(module, "sm_count", lambda device: 8)
     monkeypatch.setattr(cuattn._gpu, "device_limits", lambda device: ((9, 0), 232448))
     for module, name in ((cuattn._gpu, "_forward_plans"), (cuattn._gpu, "_repeated"),
                          (cuattn._gpu, "_part_streams"), (merge, "_stacked_plans")):

@@ -236,22 +236,23 @@ def test_mma_f32_instance_pads_head_dims_to_32_and_fits_every_gate_target():
 def test_parameter_blocks_are_filled_by_field_name():
     """A parameter block's dtype is the C++ struct's (read from the sources): fields by
     name, nested strides as tuples, the forward's pointers one run of 8-byte fields."""
-    from cuattn._gpu import FORWARD_SLOTS
     from cuattn._gpu_backward import BACKWARD_SLOTS
+    from cuattn._gpu_plan import FORWARD_SLOTS
     from cuattn._launch import _run_of_fields
     from cuattn._params import block_dtype, new_block
 
     block = new_block("AttnParams", q=1, bias=7, seqlen_q=70, window_right=0, scale=0.125,
                       softcap=30.0, k_s=(1, 2, 3, 4, 5), magnitudes=9)
-    assert block.dtype.names[:8] == FORWARD_SLOTS
-    assert block.dtype.names[-6:] == ("magnitudes", "packed", "num_packed", "k_lengths_size",
-                                      "k_lengths_from", "k_lengths_step")
+    assert block.dtype.names[:9] == FORWARD_SLOTS
+    assert block.dtype.names[-10:] == ("magnitudes", "packed", "num_packed", "k_lengths_size",
+                                       "k_lengths_from", "k_lengths_step", "page_size",
+                                       "num_pages", "k_page", "v_page")
     assert int(block["q"]) == 1 and int(block["bias"]) == 7 and int(block["seqlen_q"]) == 70
     assert float(block["scale"]) == 0.125 and float(block["softcap"]) == 30.0
     assert [int(block["k_s"][f]) for f in ("b0", "b1", "b2", "row", "col")] == [1, 2, 3, 4, 5]
     assert int(block["magnitudes"]) == 9 and int(block["v"]) == 0  # the rest zero
     run, offset = _run_of_fields(block.dtype, FORWARD_SLOTS)
-    assert (run.size, offset) == (64, 0)
+    assert (run.size, offset) == (72, 0)
     bwd = new_block("AttnBwdParams", f={"seqlen_k": 5, "q": 3}, dq=11, num_col_tiles=2)
     assert int(bwd["f"]["seqlen_k"]) == 5 and int(bwd["f"]["q"]) == 3 and int(bwd["dq"]) == 11
     assert block_dtype("AttnBwdParams").names[1:6] == BACKWARD_SLOTS

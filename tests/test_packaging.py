@@ -34,7 +34,7 @@ def test_params_blocks_have_the_sizes_of_their_structs():
     # every field of the parameter structs is 8 bytes wide: no padding rule can differ
     from cuattn._params import block_dtype
     assert block_dtype("Strides").itemsize == 5 * 8
-    assert block_dtype("AttnParams").itemsize == 8 * 20 + 8 * 5 * 8 + 8 * 6
+    assert block_dtype("AttnParams").itemsize == 8 * 21 + 8 * 5 * 9 + 8 * 10
     assert block_dtype("AttnBwdParams").itemsize == block_dtype("AttnParams").itemsize + 8 * 7 \
         + 5 * 5 * 8
     assert block_dtype("Tf32Prep").itemsize == 9 * 8 + 5 * 8

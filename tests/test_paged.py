@@ -171,3 +171,162 @@ def test_gpu_paged(dtype):
         out = cuattn.attention(dq, dkp, dvp, k_lengths=n, block_table=t, causal=True)
         assert isinstance(out, cp.ndarray)
         assert_accurate(to_host(out), ref, naive_attention(q, k, v, mask=full))
+
+
+def _paged_case(rng, dtype, page, batch, heads_kv, groups, sq, d, pages_per_entry, lengths):
+    """Shuffled pools of ``page``-row pages for ``batch`` entries (Hk heads, GQA groups of
+    query heads), NaN in every page no entry reaches and in the rows of an entry's last page
+    past its length, and the dense keys and values."""
+    pages = batch * pages_per_entry + 3
+    kp = rng.standard_normal((pages, heads_kv, 1, page, d)).astype(dtype)
+    vp = rng.standard_normal((pages, heads_kv, 1, page, d)).astype(dtype)
+    table = rng.permutation(pages)[:batch * pages_per_entry].reshape(batch, pages_per_entry)
+    unused = np.ones(pages, bool)
+    for b, n in enumerate(lengths):
+        unused[table[b, :-(-n // page)]] = False
+        if n % page:
+            kp[table[b, n // page], ..., n % page:, :] = np.nan
+            vp[table[b, n // page], ..., n % page:, :] = np.nan
+    kp[unused], vp[unused] = np.nan, np.nan
+    q = rng.standard_normal((batch, heads_kv, groups, sq, d)).astype(dtype)
+    k = np.concatenate([kp[table[:, j]] for j in range(pages_per_entry)], axis=-2)
+    v = np.concatenate([vp[table[:, j]] for j in range(pages_per_entry)], axis=-2)
+    return q, kp, vp, table, k, v
+
+
+def _zeroed(x):
+    """x with its NaN entries set to 0 (np.nan_to_num leaves bfloat16 NaN as it is)."""
+    y = x.copy()
+    y[np.isnan(y)] = 0
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)
+@pytest.mark.parametrize("page, d, groups, sq, causal", [
+    (128, 128, 4, 1, False),    # GQA decoding: folded groups, split keys
+    (256, 64, 1, 1, False),
+    (128, 80, 2, 3, True),      # the mma family (head dim past the sm90 per-block's)
+    (256, 256, 1, 1, False),
+    (128, 128, 1, 200, True),   # prefill against a paged prefix
+    (512, 128, 8, 1, False),
+])
+def test_gpu_paged_in_place(dtype, page, d, groups, sq, causal):
+    """Pages of a multiple of 128 rows are read in place by the 16-bit kernels (PAGED):
+    shuffled pages, NaN in every page past the lengths (never read), host and device
+    lengths and tables (int32 and int64), a length of 0, against the float64 reference on
+    the dense keys the table makes."""
+    import cupy as cp
+
+    from cuattn import _paged
+    rng = np.random.default_rng(page + d + groups + sq)
+    per_entry = -(-5000 // page)
+    lengths = np.array([5000, 1, 0, page * 2 + 7, 4096])[:, None, None]
+    batch = lengths.shape[0]
+    q, kp, vp, table, k, v = _paged_case(rng, dtype, page, batch, 2, groups, sq, d, per_entry,
+                                         lengths.ravel())
+    full = lengths_mask(lengths, (batch, 2, groups), sq, k.shape[-2],
+                        (-1, 0) if causal else (-1, -1))
+    ref, ref_lse = attention_reference(q, _zeroed(k), _zeroed(v), mask=full)
+    dq, dkp, dvp = (cp.asarray(x) for x in (q, kp, vp))
+    seen = []
+    real = _paged.in_place
+    for t, n in ((table, lengths), (cp.asarray(table, cp.int32), lengths),
+                 (table, cp.asarray(lengths, cp.int32)), (cp.asarray(table), cp.asarray(lengths))):
+        _paged.in_place = lambda *a: seen.append(real(*a)) or seen[-1]
+        try:
+            out, lse = cuattn.attention(dq, dkp, dvp, k_lengths=n, block_table=t, causal=causal,
+                                        return_lse=True)
+        finally:
+            _paged.in_place = real
+        assert seen[-1] is not None and seen[-1].pages is not None  # read in place
+        out, lse = to_host(out), cp.asnumpy(lse)
+        assert np.isfinite(out).all()
+        assert_accurate(out, ref, naive_attention(q, _zeroed(k), _zeroed(v),
+                                                  mask=full))
+        assert not np.any(out[2]) and np.all(lse[2] == -np.inf)
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_small_pages_are_gathered():
+    """A page size the kernels do not read in place (not a multiple of 128) runs gathered,
+    with the same results."""
+    import cupy as cp
+
+    from cuattn import _paged
+    rng = np.random.default_rng(9)
+    lengths = np.array([300, 17, 64])[:, None, None]
+    q, kp, vp, table, k, v = _paged_case(rng, np.float16, 64, 3, 2, 4, 1, 128, 5,
+                                         lengths.ravel())
+    full = lengths_mask(lengths, (3, 2, 4), 1, k.shape[-2], (-1, -1))
+    ref, _ = attention_reference(q, _zeroed(k), _zeroed(v), mask=full)
+    seen = []
+    real = _paged.in_place
+    _paged.in_place = lambda *a: seen.append(real(*a)) or seen[-1]
+    try:
+        out = cuattn.attention(*(cp.asarray(x) for x in (q, kp, vp)), k_lengths=lengths,
+                               block_table=table)
+    finally:
+        _paged.in_place = real
+    assert seen == [None]
+    assert_accurate(to_host(out), ref, naive_attention(q, _zeroed(k), _zeroed(v),
+                                                       mask=full))
+
+
+@pytest.mark.parametrize("page, lengths, groups, sq, d, causal, device_table", [
+    (128, [4000, 0], 4, 1, 16, False, True),     # folded groups, keys split in 4 chunks
+    (256, [700, 256], 1, 5, 16, True, False),    # a host table, no split
+    (128, [1, 2100], 2, 1, 16, False, False),    # split in 2 (one chunk axis entry)
+    (256, [2500, 0, 300, 2100, 1], 2, 1, 128, False, True),  # the piped instance
+])
+def test_in_place_on_host_memory(page, lengths, groups, sq, d, causal, device_table,
+                                 monkeypatch):
+    """Pages of a multiple of 128 rows on the GPU path, through a CuPy stand-in on host
+    memory (emulated kernels, tests/_hostdev.py): one launch of a PAGED instance per part
+    (and the merge of a split call) reads the pools through the table, NaN in the pages
+    past every length; the results are the float64 reference's on the dense keys. The
+    piped instance's maps of k and v span the pools: rows within a page, and the pages on
+    the batch axis that the parameter block names."""
+    from _hostdev import Memory, fake_gpu
+    from test_merge import _emulate_merge_parts
+    arrays, launches = [], []
+    device = fake_gpu(monkeypatch, arrays, launches, np.float16,
+                      {"merge": _emulate_merge_parts(Memory(arrays), np.float16)})
+
+    def on_device(a):
+        d = device(a.shape, a.dtype)
+        d[...] = a
+        return d
+
+    rng = np.random.default_rng(page + sq)
+    per_entry = -(-max(lengths) // page) + 1
+    n = np.array(lengths)
+    q, kp, vp, table, k, v = _paged_case(rng, np.float16, page, len(lengths), 2, groups, sq,
+                                         d, per_entry, n)
+    given = n[:, None, None]
+    pools = on_device(kp), on_device(vp)
+    out, lse = cuattn.attention(on_device(q), *pools, k_lengths=given,
+                                block_table=on_device(table.astype(np.int32))
+                                if device_table else table, causal=causal, return_lse=True)
+    names = [fn for fn, *_ in launches]
+    kernels = [x for x in names if x.startswith("attention_fwd")]
+    assert kernels and all(x.endswith(", 3>") for x in kernels), names  # PAGED instances
+    assert any("piped" in x for x in kernels) == (d == 128)
+    if d == 128:  # the maps of k and v: the pools', (D, page rows, pages on a batch axis)
+        for (address, dims, strides, box), pool in zip(device.maps[-2:], pools):
+            assert address == pool.__array_interface__["data"][0]
+            axis = dims.index(pool.shape[0])
+            assert dims[:2] == (d, page) and axis >= 2 and box[1] <= page
+            assert strides[0] == pool.strides[-2] and strides[axis - 1] == pool.strides[0]
+    full = lengths_mask(given, (len(lengths), 2, groups), sq, k.shape[-2],
+                        (-1, 0) if causal else (-1, -1))
+    k, v = _zeroed(k), _zeroed(v)
+    ref, ref_lse = attention_reference(q, k, v, mask=full)
+    assert np.isfinite(np.asarray(out)).all()
+    assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=full))
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-4,
+                               atol=1e-4)

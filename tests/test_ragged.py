@@ -184,9 +184,10 @@ def test_gpu_parts_side_by_side_on_host_memory(kind, monkeypatch):
 def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
     """A packed call that a family with packed instances serves is one launch over every
     sequence, through a CuPy stand-in on host memory (emulated forward kernel): its table
-    holds the sequences with query rows, longest key count first, and the first work unit
-    of each (its query blocks x batch entries); the results are the float64 reference's."""
-    from _hostdev import Memory, fake_gpu, fields, packed_sequences
+    holds every query block of every sequence once, costliest first (the keys its causal
+    band reaches), and the grid has a block per query block and batch entry; the results
+    are the float64 reference's."""
+    from _hostdev import Memory, fake_gpu, fields, packed_blocks
 
     from cuattn import _gpu
     if family != "sm90":
@@ -217,13 +218,17 @@ def test_gpu_packed_call_is_one_grid(d, family, monkeypatch):
     assert choice.ragged == PACKED and choice.family == family
     assert choice.name_expression.endswith(", 1>")
     f = fields(block)
-    sequences, cum = packed_sequences(Memory(arrays), f)
-    active = [s for s in range(6) if lens_q[s]]
-    order = sorted(active, key=lambda s: -lens_k[s])  # stable: ties keep their order
-    assert sequences == [(qo[s], ko[s], lens_q[s], lens_k[s]) for s in order]
-    per_entry = [-(-lens_q[s] // choice.tiles.block_m) for s in order]
-    assert list(np.diff(cum)) == [n * 2 * 4 for n in per_entry]  # batch 2 x 4 heads
-    assert cum[0] == 0 and grid[0] == cum[-1] and f["num_m_blocks"] == sum(per_entry)
+    blocks = packed_blocks(Memory(arrays), f)
+    bm = choice.tiles.block_m
+    want = {(qo[s], ko[s], lens_q[s], lens_k[s], r)
+            for s in range(6) for r in range(-(-lens_q[s] // bm))}
+    assert sorted(blocks) == sorted(want)  # each query block once
+
+    def reach(q0, k0, sq, sk, r):  # keys of the causal band from the block's last row
+        return min(sk, min(sq, (r + 1) * bm) - 1 + sk - sq + 1)
+    costs = [max(0, reach(*x)) for x in blocks]
+    assert costs == sorted(costs, reverse=True)
+    assert grid[0] == len(blocks) * 2 * 4 and f["num_m_blocks"] == len(blocks)  # x 2 x 4
     mask = packed_mask(qo, ko, (-1, 0))
     ref, ref_lse = attention_reference(q, k, v, mask=mask, softcap=5.0)
     assert_accurate(np.asarray(out), ref, naive_attention(q, k, v, mask=mask, softcap=5.0))
@@ -506,6 +511,43 @@ def test_gpu_packed_sequences_do_not_read_their_neighbours(instance):
     assert np.all(np.isfinite(out[..., keep, :]))
     assert_accurate(out[..., keep, :], ref, naive_attention(sub_q, *sub_kv, mask=mask))
     np.testing.assert_allclose(lse[..., keep], ref_lse, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sm90", "mma"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window", ["full", "causal", "window"])
+def test_gpu_packed_backward_in_one_grid(family, d, window):
+    """The packed backward's dK/dV and dQ kernels, one grid each over every sequence (keys
+    without query rows get zero gradients; rows without keys too), with a broadcast key
+    head (its gradients summed): against the float64 reference of the packed mask."""
+    import cupy as cp
+
+    from cuattn import _gpu_backward
+    from cuattn._checks import check_attention
+    if family == "sm90" and d > 128:
+        pytest.skip("the sm90 backward holds head dims to 128")
+    rng = np.random.default_rng(30 + d)
+    lens_q = [3, 0, 130, 1, 70, 129, 64, 200, 5]
+    lens_k = [4, 2, 0, 300, 65, 129, 1, 128, 0]
+    q, k, v, qo, ko = _packed(rng, BF16, lens_q, lens_k, heads=3, kv_heads=1, d=d, dv=d)
+    band = WINDOWS[window]
+    kw = dict(_window_kw(band), softcap=8.0, scale=0.2)
+    dq_, dk_, dv_ = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuattn.attention(dq_, dk_, dv_, q_offsets=qo, k_offsets=ko, return_lse=True,
+                                **kw)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    call = check_attention(dq_, dk_, dv_, **kw)
+    grads = _gpu_backward.backward(call, cp.asarray(dout), out, lse, kernel=family,
+                                   packed=(qo, ko))
+    assert grads is not None
+    mask = packed_mask(qo, ko, band)
+    refs = attention_backward_reference(dout, q, k, v, mask=mask, softcap=8.0, scale=0.2)
+    for g, r, x in zip(grads, refs, (q, k, v)):
+        g = to_host(g)
+        assert g.shape == x.shape and g.dtype == BF16
+        tol = 3e-2 * max(1.0, np.max(np.abs(r)))
+        assert np.max(np.abs(g.astype(np.float64) - r)) <= tol
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ from _accuracy import assert_accurate
 
 from cuattn import _cpu, _split
 from cuattn._checks import check_attention
-from cuattn.reference import attention_reference, naive_attention
+from cuattn.reference import attention_backward_reference, attention_reference, naive_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -196,6 +196,34 @@ def test_fold_groups_only_where_exact_and_useful():
     one_row = check_attention(q[..., :1, :], k, v, out=np.empty((2, 3, 4, 1, 8),
                                                                 np.float32)[..., ::1, :])
     assert fold(one_row) is not None
+
+
+def test_fold_backward_folds_groups_at_any_length():
+    """The backward folds query groups at any Sq (views where the strides allow, copies
+    where not), only where exact and where the folded dK/dV grid fills the GPU twice; the
+    folded call's gradients, shaped back, are the call's."""
+    import cuattn
+    q, k, v = _group_inputs(np.float64, 100, 300)          # Sq beyond one block of rows
+    rng = np.random.default_rng(9)
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape)
+    call = check_attention(q, k, v)
+    folded = _split.fold_backward(call, dout, out, lse, sm_count=9)  # 6 x 3 tiles >= 2 x 9
+    assert folded is not None
+    fcall, fdout, fout, flse = folded
+    assert fcall.seqlen_q == 400 and fcall.batch_shape == (2, 3, 1)
+    assert fdout.shape == fout.shape == (2, 3, 1, 400, 8) and flse.shape == (2, 3, 1, 400)
+    assert all(np.shares_memory(a, b) for a, b in ((fdout, dout), (fout, out), (flse, lse)))
+    grads = _cpu.attention_backward(fcall, fdout, fout, flse)
+    want = attention_backward_reference(dout, q, k, v)
+    for g, x, w in zip(grads, (q, k, v), want):
+        np.testing.assert_allclose(g.reshape(x.shape), w, rtol=1e-10, atol=1e-12)
+    strided = np.ascontiguousarray(dout.transpose(0, 3, 1, 2, 4)).transpose(0, 2, 3, 1, 4)
+    fdout = _split.fold_backward(call, strided, out, lse, sm_count=9)[1]   # copied
+    assert not np.shares_memory(fdout, strided) and np.array_equal(fdout.ravel(), dout.ravel())
+    assert _split.fold_backward(call, dout, out, lse, sm_count=10) is None    # 18 < 2 x 10
+    causal = check_attention(q, k, v, causal=True)                             # not exact
+    assert _split.fold_backward(causal, dout, out, lse, sm_count=1) is None
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)

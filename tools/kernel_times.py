@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import cuattn
-from cuattn import _gpu
+from cuattn import _gpu_backward
 from cuattn.attention import _attention_backward
 from cuattn.families import mma, mma_wide, portable, sm90, sm90_3xf16, sm90_tf32
 
@@ -40,7 +40,7 @@ def main():
     dout = cp.random.standard_normal(out.shape, dtype=cp.float32).astype(dtype)
     times = {}
     names = {}  # kernel handle -> name expression
-    real_get_kernel, real_launch = _gpu.get_kernel, _gpu.Launch
+    real_get_kernel, real_launch = _gpu_backward.get_kernel, _gpu_backward.Launch
 
     def named_get_kernel(filename, expr, **options):
         fn = real_get_kernel(filename, expr, **options)
@@ -55,7 +55,7 @@ def main():
             stop.record()
             times.setdefault(names[self._function], []).append((start, stop))
 
-    _gpu.get_kernel, _gpu.Launch = named_get_kernel, TimedLaunch
+    _gpu_backward.get_kernel, _gpu_backward.Launch = named_get_kernel, TimedLaunch
     try:
         for _ in range(3):
             _attention_backward(dout, q, k, v, out, lse, causal=causal, kernel=family,
@@ -67,7 +67,7 @@ def main():
                                 tiles=tiles, **kw)
         cp.cuda.Device().synchronize()
     finally:
-        _gpu.get_kernel, _gpu.Launch = real_get_kernel, real_launch
+        _gpu_backward.get_kernel, _gpu_backward.Launch = real_get_kernel, real_launch
     fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)  # the forward's FLOPs
     print(f"{family} D{d} {name} causal={causal} shape {(b, h, s, d)} tiles {tiles}")
     total = 0.0

@@ -8,7 +8,8 @@ The driver runs this file again under ``compute-sanitizer --tool T`` with ``--ca
 child runs the forward and the backward of every family the GPU's dispatch tables serve,
 each forced in turn (as the tests force them), on small ragged shapes, plain and with a
 mask, a bias and causal, and the decode paths as dispatch takes them (``--family decode``:
-folded query groups, split keys, merge_attention, kv_cache_append), with CuPy's memory
+folded query groups, split keys, merge_attention, kv_cache_append, a paged cache), with
+CuPy's memory
 pool disabled so that every allocation is exact and an out-of-bounds access is not hidden
 inside a pooled block. Every result is checked for NaN (all inputs are finite), so a case
 that the sanitizer lets through but computes garbage fails too. Exit status 1 when any tool
@@ -76,9 +77,12 @@ def _cases(families=None):
 
 def _run_decode(dtype, shape, rng):
     """Query groups folded into rows (Sq 1, or 3 rows that every key serves), split keys
-    (2,500 keys for 4 key heads: two chunks and the merge), merge_attention of three parts
-    and kv_cache_append; the results of every step."""
+    (2,500 keys for 4 key heads: two chunks and the merge), merge_attention of three parts,
+    kv_cache_append, and the keys as a paged cache (shuffled pages of 128 rows, read in
+    place for 16-bit inputs, a device table with entries outside the pools past the
+    lengths, device lengths); the results of every step."""
     import cupy
+    import numpy as np
 
     import cuattn
     sq, sk, d, dv = shape
@@ -94,7 +98,20 @@ def _run_decode(dtype, shape, rng):
                                                                          dtype)
     lengths = cupy.asarray(rng.integers(0, 9, (1, 4, 1)))
     cuattn.kv_cache_append(k_cache, v_cache, k[..., :sk - 8, :], v[..., :sk - 8, :], lengths)
-    return [out, lse.astype(cupy.float32), merged, k_cache, v_cache]
+    page = 128
+    per_entry = -(-sk // page)
+    pools = []
+    for x in (k, v):  # (1, 4, 1, sk, D) -> (pages, 4, 1, page, D), page j at pool row order[j]
+        padded = cupy.zeros(x.shape[:-2] + (per_entry * page, x.shape[-1]), dtype)
+        padded[..., :sk, :] = x
+        pages = padded.reshape(4, per_entry, page, x.shape[-1]).transpose(1, 0, 2, 3)
+        pools.append(pages[:, :, None])
+    order = rng.permutation(per_entry)
+    pools = [cupy.ascontiguousarray(p[cupy.asarray(np.argsort(order))]) for p in pools]
+    table = np.concatenate([order, [-3, 10**6]])[None]  # columns past the length: anything
+    paged = cuattn.attention(q, *pools, k_lengths=cupy.asarray([sk]),
+                             block_table=cupy.asarray(table))
+    return [out, lse.astype(cupy.float32), merged, k_cache, v_cache, paged]
 
 
 def _run_case(family, direction, name, precision, shape, features, rng):

@@ -13,8 +13,9 @@ from .._kernels import c_type_name
 THREADS = 256
 
 #: a forward instance's RAGGED mode (common.cuh's enum Ragged): a dense call, packed
-#: sequences (q_offsets, k_offsets) in one grid, or key lengths read by the kernel
-DENSE, PACKED, KEY_LENGTHS = 0, 1, 2
+#: sequences (q_offsets, k_offsets) in one grid, key lengths read by the kernel, or key
+#: lengths over paged keys and values (block_table) read in place
+DENSE, PACKED, KEY_LENGTHS, PAGED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class Request:
     #: the backward's: the forward's products read TF32 operands (a "tf32" family served
     #: it), so a backward that recomputes the scores rounds its operands the same way
     tf32_forward: bool = False
-    #: packed sequences or key lengths (PACKED, KEY_LENGTHS): a family with instances of
-    #: that mode returns one (KernelChoice.ragged); the others their dense instance
+    #: packed sequences, key lengths or paged keys (PACKED, KEY_LENGTHS, PAGED): a family
+    #: with instances of that mode returns one (KernelChoice.ragged); the others their
+    #: dense instance
     ragged: int = DENSE
 
     @property
@@ -128,7 +130,8 @@ class KernelChoice:
     #: (FwdTmaParams.units)
     persistent: bool = False
     #: the RAGGED mode of the instance: packed sequences in one grid (AttnParams.packed),
-    #: or key lengths (AttnParams.k_lengths); sequence_unit in common.cuh
+    #: key lengths (AttnParams.k_lengths), or those over paged keys (AttnParams.pages);
+    #: sequence_unit and key_rows in common.cuh
     ragged: int = DENSE
 
 
@@ -155,6 +158,9 @@ class BackwardChoice:
     # a kernel run before delta that writes the largest magnitudes of each batch entry's q,
     # k, v, dout and out into a zeroed float[batch][5] (sm90_3xf16: the split's scales)
     magnitudes: str | None = None
+    # the RAGGED mode of the dK/dV and dQ kernels: PACKED runs a packed call in one grid
+    # each (backward_unit in common.cuh)
+    ragged: int = DENSE
 
 
 #: the delta kernel of every backward (backward.cuh): rowsum(dout * out) per query row

@@ -26,9 +26,11 @@ BACKWARD_FILE = "mma/attention_backward_mma.cu"
 FWD = Kernel("attention_fwd_mma", "T BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N NUM_WARPS "
                                   "M_TILES ALIGNED MIN_BLOCKS RAGGED", defaults={"RAGGED": DENSE})
 DKDV = Kernel("attention_bwd_dkdv_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_M "
-                                        "NUM_WARPS ALIGNED MIN_BLOCKS")
+                                        "NUM_WARPS ALIGNED MIN_BLOCKS RAGGED",
+              defaults={"RAGGED": DENSE})
 DQ = Kernel("attention_bwd_dq_mma", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V COLS BLOCK_N "
-                                    "NUM_WARPS ALIGNED MIN_BLOCKS")
+                                    "NUM_WARPS ALIGNED MIN_BLOCKS RAGGED",
+            defaults={"RAGGED": DENSE})
 
 
 @dataclass(frozen=True)
@@ -158,14 +160,16 @@ def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:
     tiles, smem = first_fit(cands, lambda t: mma_backward_smem_bytes(t, hd, hdv), req,
                             "mma backward")
     # output columns per block: all up to 128, else 128- or 64-column tiles that divide
-    # both padded head dims
+    # both padded head dims (64 for a packed call: its sequence's registers and 128 columns
+    # of dK and dV spill 8 to 28 bytes)
     if max(hd, hdv) <= 128:
         cols = max(hd, hdv)
     else:
-        cols = 128 if hd % 128 == 0 and hdv % 128 == 0 else 64
+        cols = 128 if hd % 128 == 0 and hdv % 128 == 0 and req.ragged != PACKED else 64
     g_kv, g_q = req.grad_dtypes
     common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
-                  HEAD_DIM_V=hdv, COLS=cols, ALIGNED=req.aligned)
+                  HEAD_DIM_V=hdv, COLS=cols, ALIGNED=req.aligned,
+                  RAGGED=PACKED if req.ragged == PACKED else DENSE)  # key lengths: dense
     return BackwardChoice(
         "mma", BACKWARD_FILE, DELTA(T=req.dtype),
         DKDV(**common, G=g_kv, BLOCK_M=tiles.block_m, NUM_WARPS=tiles.dkdv_warps,
@@ -173,4 +177,5 @@ def backward(req: Request, tiles: MmaBwdTiles | None = None) -> BackwardChoice:
         DQ(**common, G=g_q, BLOCK_N=tiles.block_n, NUM_WARPS=tiles.dq_warps,
            MIN_BLOCKS=tiles.dq_min_blocks),
         16 * tiles.dkdv_warps, 16 * tiles.dq_warps, cols, min(cols, hd), *smem,
-        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps)
+        threads_dkdv=32 * tiles.dkdv_warps, threads_dq=32 * tiles.dq_warps,
+        ragged=common["RAGGED"])

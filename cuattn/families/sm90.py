@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from ._common import (
     DELTA,
     DENSE,
+    PACKED,
     BackwardChoice,
     BlockTiles,
     Kernel,
@@ -31,10 +32,10 @@ FWD_PIPED = Kernel("attention_fwd_sm90_piped",
                    "PERSISTENT RAGGED", defaults={"STAGE_SIDE": True, "OVERLAP": False,
                                                   "PERSISTENT": False, "RAGGED": DENSE})
 DKDV = Kernel("attention_bwd_dkdv_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_M ALIGNED "
-                                         "MIN_BLOCKS OVERLAP STATS_AHEAD",
-              defaults={"STATS_AHEAD": False})
+                                         "MIN_BLOCKS OVERLAP STATS_AHEAD RAGGED",
+              defaults={"STATS_AHEAD": False, "RAGGED": DENSE})
 DQ = Kernel("attention_bwd_dq_sm90", "T G BiasT HAS_MASK HEAD_DIM HEAD_DIM_V BLOCK_N ALIGNED "
-                                     "MIN_BLOCKS OVERLAP")
+                                     "MIN_BLOCKS OVERLAP RAGGED", defaults={"RAGGED": DENSE})
 
 
 @dataclass(frozen=True)
@@ -292,10 +293,11 @@ def sm90_backward_smem_bytes(tiles: Sm90BwdTiles, hd: int, hdv: int, has_mask: b
 def backward(req: Request, tiles: Sm90BwdTiles | None = None) -> BackwardChoice:
     hd, hdv = ceil_to(req.head_dim, 64), ceil_to(req.head_dim_v, 64)
     cands = candidates(SM90_BACKWARD_TILES, req, tiles)
-    if tiles is None and (req.bias_dtype is not None or req.has_mask):
+    if tiles is None and (req.bias_dtype is not None or req.has_mask or req.ragged == PACKED):
         # lse and delta a request ahead only where measured faster: with a mask and a bias
         # both its D64 and D128 forms run 2-3 % slower, their instances spilling more
-        # (D128: 168 / 228 bytes against 68 / 108)
+        # (D128: 168 / 228 bytes against 68 / 108); a packed call's sequence takes the
+        # registers (D128: 32 bytes spill with them)
         cands = tuple(replace(c, dkdv_stats_ahead=False) for c in cands)
     bias_size = itemsize(req.bias_dtype)
     tiles, smem = first_fit(
@@ -304,11 +306,13 @@ def backward(req: Request, tiles: Sm90BwdTiles | None = None) -> BackwardChoice:
     g_kv, g_q = req.grad_dtypes
     common = dict(T=req.dtype, BiasT=req.bias_dtype, HAS_MASK=req.has_mask, HEAD_DIM=hd,
                   HEAD_DIM_V=hdv, ALIGNED=req.aligned)
+    ragged = PACKED if req.ragged == PACKED else DENSE  # key lengths: dense kernels
     return BackwardChoice(
         "sm90", BACKWARD_FILE, DELTA(T=req.dtype),
         DKDV(**common, G=g_kv, BLOCK_M=tiles.block_m,
              MIN_BLOCKS=resident_cap(tiles.dkdv_min_blocks, smem[0]),
-             OVERLAP=tiles.dkdv_overlap, STATS_AHEAD=tiles.dkdv_stats_ahead),
+             OVERLAP=tiles.dkdv_overlap, STATS_AHEAD=tiles.dkdv_stats_ahead, RAGGED=ragged),
         DQ(**common, G=g_q, BLOCK_N=tiles.block_n,
-           MIN_BLOCKS=resident_cap(tiles.dq_min_blocks, smem[1]), OVERLAP=tiles.dq_overlap),
-        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128)
+           MIN_BLOCKS=resident_cap(tiles.dq_min_blocks, smem[1]), OVERLAP=tiles.dq_overlap,
+           RAGGED=ragged),
+        64, 64, max(hd, hdv), hd, *smem, threads_dkdv=128, threads_dq=128, ragged=ragged)

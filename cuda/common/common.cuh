@@ -173,22 +173,25 @@ struct Strides {
 };
 
 struct AttnParams {
-    long long q, k, v, out, lse, mask, bias, k_lengths;  // device addresses
+    long long q, k, v, out, lse, mask, bias, k_lengths, pages;  // device addresses
     long long batch1, batch2;                 // extents of batch axes 1 and 2 (axis 0 is implied)
     long long seqlen_q, seqlen_k, head_dim, head_dim_v;
     long long window_left, window_right;      // -1: unbounded; causal is window_right = 0
     long long num_m_blocks, num_dv_tiles;     // grid decomposition, computed in Python
     double scale;                             // softmax scale (natural units)
     double softcap;                           // 0: no softcap
-    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s, k_lengths_s;
+    Strides q_s, k_s, v_s, out_s, lse_s, mask_s, bias_s, k_lengths_s, pages_s;
     // the sm90_3xf16 kernels' float[batch][5] of largest magnitudes (split16.cuh; zero for
     // the others), written per call
     long long magnitudes;
-    // a packed call's sequences (PackedSeq, below): device address and count; 0 for a dense call
+    // a packed call's row blocks (PackedBlock, below): device address and count; 0 for a dense call
     long long packed, num_packed;
-    // key lengths (KEY_LENGTHS, below): bytes per length (4 or 8), and the first key of this
+    // key lengths (KEY_LENGTHS and PAGED, below): bytes per length (4 or 8), and the first key of this
     // call's chunk of the keys: k_lengths_from + (index along batch axis 2) x k_lengths_step
     long long k_lengths_size, k_lengths_from, k_lengths_step;
+    // paged keys and values (PAGED, below): rows per page, pages in the pools, and the
+    // elements from one page to the next in the pools of k and of v
+    long long page_size, num_pages, k_page, v_page;
 };
 
 // The backward's parameter block: the forward's (q, k, v, out, lse, mask, bias, sizes and
@@ -266,14 +269,13 @@ struct ForwardBlock {
     const unsigned char* mask;
     const BiasT* bias;
 };
-// forward_block_at: the same for work unit idx of `units` (block_coords_at).
+// forward_block_for: the same for row block `row_block` of batch entry b.
 template <typename T, typename BiasT>
-__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnParams& p,
-                                                                  int block_m, unsigned idx,
-                                                                  unsigned units) {
-    const BlockCoords blk = block_coords_at(idx, units, p.num_m_blocks, 1,
-                                            p.window_left >= 0 || p.window_right >= 0, true);
-    const long long b = blk.b, m0 = blk.row_block * block_m;
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_for(const AttnParams& p,
+                                                                   int block_m,
+                                                                   long long row_block,
+                                                                   long long b) {
+    const long long m0 = row_block * block_m;
     return {b,
             m0,
             reinterpret_cast<const T*>(p.q) + batch_offset(p.q_s, b, p.batch1, p.batch2) +
@@ -285,6 +287,15 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnPar
             p.bias ? reinterpret_cast<const BiasT*>(p.bias) +
                          batch_offset(p.bias_s, b, p.batch1, p.batch2) : nullptr};
 }
+// forward_block_at: the same for work unit idx of `units` (block_coords_at).
+template <typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_at(const AttnParams& p,
+                                                                  int block_m, unsigned idx,
+                                                                  unsigned units) {
+    const BlockCoords blk = block_coords_at(idx, units, p.num_m_blocks, 1,
+                                            p.window_left >= 0 || p.window_right >= 0, true);
+    return forward_block_for<T, BiasT>(p, block_m, blk.row_block, blk.b);
+}
 template <typename T, typename BiasT>
 __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams& p,
                                                                int block_m) {
@@ -293,31 +304,37 @@ __device__ __forceinline__ ForwardBlock<T, BiasT> forward_block(const AttnParams
 
 // ---- packed sequences and key lengths -------------------------------------------------
 // A forward instance's RAGGED mode: a dense call; a packed call (q_offsets, k_offsets), one
-// grid over the work units of every sequence; or key lengths (k_lengths), a dense grid
-// whose batch entries each have their own key count.
-enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2 };
-// PACKED: p.packed holds, in device memory, a PackedSeq for each of the p.num_packed
-// sequences that have query rows (Python orders them by key count, longest first, so that
-// the costliest blocks start first), then int cum[num_packed + 1]: sequence i owns the
-// grid's units cum[i] .. cum[i + 1] - 1 (its query blocks x batch entries, cum[0] = 0).
-// p.seqlen_q and p.seqlen_k are the packed totals (the tensor maps' rows).
-struct PackedSeq {
-    int q_row0, k_row0, seqlen_q, seqlen_k;
+// grid over the work units of every sequence; key lengths (k_lengths), a dense grid whose
+// batch entries each have their own key count; or key lengths over paged keys and values
+// (block_table; key_rows, below).
+enum Ragged : int { DENSE = 0, PACKED = 1, KEY_LENGTHS = 2, PAGED = 3 };
+// PACKED: p.packed holds, in device memory, a PackedBlock for each of the p.num_packed row
+// blocks of the kernel (query blocks, or the backward's key blocks) over every sequence, in
+// the order the grid takes them (Python deals them by cost, costliest first); work unit u
+// is row block u % num_packed of index u / num_packed among the row block's units (its
+// output-column tiles x batch entries). p.seqlen_q and p.seqlen_k are the packed totals
+// (the tensor maps' rows).
+struct PackedBlock {
+    int q_row0, k_row0, seqlen_q, seqlen_k;  // the sequence's first rows and lengths
+    int row_block, pad0, pad1, pad2;         // the block within it
 };
 // A block's work unit as a dense call of its own: p with the unit's lengths (PACKED: its
-// sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS: its batch entry's
-// key count), the unit's index among its sequence's units, and the sequence's first rows
-// (for the tensor maps, which span the packed totals). DENSE: p itself. T: the type of q,
-// k, v and out; AccT: of the lse.
+// sequence's, and its first rows of q, k, v, out and lse; KEY_LENGTHS and PAGED: its batch
+// entry's key count) and the unit: DENSE, KEY_LENGTHS and PAGED: its index among `units`
+// (block_coords_at);
+// PACKED: its row block and its index among that row block's units (`rest`), and the
+// sequence's first rows (for the tensor maps, which span the packed totals). T: the type
+// of q, k, v and out; AccT: of the lse.
 struct SequenceUnit {
     AttnParams p;
     unsigned unit, units;
+    long long row_block, rest;
     int q_row0, k_row0;
 };
 template <int RAGGED, typename T, typename AccT>
-__device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int block_m,
-                                                      unsigned unit, unsigned units) {
-    if constexpr (RAGGED == KEY_LENGTHS) {
+__device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, unsigned unit,
+                                                      unsigned units) {
+    if constexpr (RAGGED == KEY_LENGTHS || RAGGED == PAGED) {
         // batch entry b's keys: k_lengths[b] (int32 or int64, by k_lengths_size) less the
         // first key of this call's chunk of them, k_lengths_from + (b's index along batch
         // axis 2) x k_lengths_step (a split call's chunks, cuattn/_split.py), within 0 .. Sk
@@ -328,33 +345,106 @@ __device__ __forceinline__ SequenceUnit sequence_unit(const AttnParams& p, int b
                                  ? reinterpret_cast<const long long*>(p.k_lengths)[at]
                                  : (long long)reinterpret_cast<const int*>(p.k_lengths)[at]) -
                             p.k_lengths_from - (b % p.batch2) * p.k_lengths_step;
-        SequenceUnit r{p, unit, units, 0, 0};
+        SequenceUnit r{p, unit, units, 0, 0, 0, 0};
         r.p.seqlen_k = min(max(n, 0LL), p.seqlen_k);
         return r;
     } else if constexpr (RAGGED == PACKED) {
-        const int n = (int)p.num_packed;
-        const PackedSeq* seqs = reinterpret_cast<const PackedSeq*>(p.packed);
-        const int* cum = reinterpret_cast<const int*>(seqs + n);
-        int lo = 0, hi = n - 1;  // the last sequence whose first unit is at most `unit`
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if ((unsigned)cum[mid] <= unit) lo = mid;
-            else hi = mid - 1;
-        }
-        const PackedSeq s = seqs[lo];
-        SequenceUnit r{p, unit - (unsigned)cum[lo], (unsigned)(cum[lo + 1] - cum[lo]), s.q_row0,
-                       s.k_row0};
-        r.p.seqlen_q = s.seqlen_q;
-        r.p.seqlen_k = s.seqlen_k;
-        r.p.num_m_blocks = (s.seqlen_q + block_m - 1) / block_m;
-        r.p.q += (long long)sizeof(T) * s.q_row0 * p.q_s.row;
-        r.p.k += (long long)sizeof(T) * s.k_row0 * p.k_s.row;
-        r.p.v += (long long)sizeof(T) * s.k_row0 * p.v_s.row;
-        r.p.out += (long long)sizeof(T) * s.q_row0 * p.out_s.row;
-        if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.q_row0 * p.lse_s.row;
+        const unsigned n = (unsigned)p.num_packed;
+        const int4* at = reinterpret_cast<const int4*>(p.packed) + 2 * (unit % n);
+        const int4 s = at[0], blk = at[1];  // PackedBlock: two independent loads
+        SequenceUnit r{p, unit, units, blk.x, unit / n, s.x, s.y};
+        r.p.seqlen_q = s.z;
+        r.p.seqlen_k = s.w;
+        r.p.q += (long long)sizeof(T) * s.x * p.q_s.row;
+        r.p.k += (long long)sizeof(T) * s.y * p.k_s.row;
+        r.p.v += (long long)sizeof(T) * s.y * p.v_s.row;
+        r.p.out += (long long)sizeof(T) * s.x * p.out_s.row;
+        if (p.lse) r.p.lse += (long long)sizeof(AccT) * s.x * p.lse_s.row;
         return r;
     } else {
-        return {p, unit, units, 0, 0};
+        return {p, unit, units, 0, 0, 0, 0};
+    }
+}
+
+// PAGED: key lengths (KEY_LENGTHS) whose keys and values live in the pages of two pools
+// (block_table). k and v then hold the pools' first element plus batch entry b's offset
+// along the pools' other axes, k_s.row and v_s.row are the rows' strides within a page, and
+// p.pages (int32) lists b's pages in order (batch strides pages_s, pages_s.col between
+// columns): key j of the whole sequence is row j % page_size of page pages[b][j / page_size],
+// where j counts from the first key of this call's chunk (k_lengths_from + (b's index along
+// batch axis 2) x k_lengths_step, as for the lengths). A key tile lies inside one page:
+// Python runs only page sizes that are a multiple of every key tile and chunks that start
+// on a page.
+// key_page: the page and the row in it of key n0 of batch entry b (PAGED).
+struct KeyPage {
+    int page, row;
+};
+__device__ __forceinline__ KeyPage key_page(const AttnParams& p, long long b, long long n0) {
+    // 32-bit: key positions fit (checked in Python), and 64-bit divisions cost registers
+    const unsigned j = (unsigned)(p.k_lengths_from + (b % p.batch2) * p.k_lengths_step + n0);
+    const unsigned size = (unsigned)p.page_size;
+    const int* row = reinterpret_cast<const int*>(p.pages) +
+                     batch_offset(p.pages_s, b, p.batch1, p.batch2);
+    // a page number outside the pools (a device table's, unchecked) reads the nearest page:
+    // never out of bounds
+    return {min(max(row[(long long)(j / size) * p.pages_s.col], 0), (int)p.num_pages - 1),
+            (int)(j % size)};
+}
+// key_rows: the first row of the tile of keys n0 .. of batch entry b in x (k or v, with
+// row_stride and page_stride its pool's); n0 * row_stride past x for the other modes.
+template <int RAGGED, typename T>
+__device__ __forceinline__ const T* key_rows(const AttnParams& p, const T* x, long long b,
+                                            long long n0, long long row_stride,
+                                            long long page_stride) {
+    if constexpr (RAGGED == PAGED) {
+        const KeyPage kp = key_page(p, b, n0);
+        return x + kp.page * page_stride + (long long)kp.row * row_stride;
+    } else {
+        return x + n0 * row_stride;
+    }
+}
+
+// A forward block's work: forward_block_at (DENSE, KEY_LENGTHS, PAGED), or the row block and
+// batch entry a packed block names (PACKED).
+template <int RAGGED, typename T, typename BiasT>
+__device__ __forceinline__ ForwardBlock<T, BiasT> forward_block_of(const AttnParams& p,
+                                                                   const SequenceUnit& su,
+                                                                   int block_m) {
+    if constexpr (RAGGED == PACKED)
+        return forward_block_for<T, BiasT>(p, block_m, su.row_block, su.rest);
+    else
+        return forward_block_at<T, BiasT>(p, block_m, su.unit, su.units);
+}
+
+// The backward's work unit of a packed call (PACKED): bp with its sequence's lengths and
+// first rows of every array read or written, and its coordinates (row block, column tile,
+// batch entry). KEYS: the dK/dV kernels' units (key blocks), else the dQ kernels' (query
+// blocks). T: the type of q, k, v and dout; G: of the gradients this kernel writes (dK and
+// dV, or dQ). DENSE: bp, and the coordinates of block_coords_at (heavy_last as there).
+struct BackwardUnit {
+    AttnBwdParams bp;
+    BlockCoords blk;
+};
+template <int RAGGED, bool KEYS, typename T, typename G>
+__device__ __forceinline__ BackwardUnit backward_unit(const AttnBwdParams& bp, bool heavy_last) {
+    if constexpr (RAGGED != PACKED) {
+        return {bp, block_coords_at(blockIdx.x, gridDim.x, bp.num_row_blocks, bp.num_col_tiles,
+                                    bp.f.window_left >= 0 || bp.f.window_right >= 0,
+                                    heavy_last)};
+    } else {
+        const SequenceUnit su = sequence_unit<PACKED, T, float>(bp.f, blockIdx.x, gridDim.x);
+        const long long cols = bp.num_col_tiles;
+        BackwardUnit r{bp, {su.row_block, su.rest % cols, su.rest / cols}};
+        r.bp.f = su.p;
+        r.bp.dout += (long long)sizeof(T) * su.q_row0 * bp.dout_s.row;
+        r.bp.delta += (long long)sizeof(float) * su.q_row0 * bp.delta_s.row;
+        if constexpr (KEYS) {
+            r.bp.dk += (long long)sizeof(G) * su.k_row0 * bp.dk_s.row;
+            r.bp.dv += (long long)sizeof(G) * su.k_row0 * bp.dv_s.row;
+        } else {
+            r.bp.dq += (long long)sizeof(G) * su.q_row0 * bp.dq_s.row;
+        }
+        return r;
     }
 }
 

@@ -27,7 +27,8 @@
 //             per block (a multiple of 64 dividing the padded head dims); the tile of the other
 //             sequence (BLOCK_M for dK/dV, BLOCK_N for dQ); NUM_WARPS; ALIGNED as in
 //             attention_mma.cu (q, k, v and dout all qualify); MIN_BLOCKS resident blocks per
-//             SM for __launch_bounds__ (a register cap).
+//             SM for __launch_bounds__ (a register cap); RAGGED (PACKED: a packed call,
+//             backward_unit in common.cuh).
 // Shared mem: dK/dV: (BLOCK_N*(HEAD_DIM+HEAD_DIM_V) + 2*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + 2*2*BLOCK_M*4 bytes;  dQ: (BLOCK_M + 2*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes;
 //             swizzled as in mma_tiles.cuh; the layouts: BwdMmaDkdvSmem, BwdMmaDqSmem (layouts.cuh).
@@ -38,9 +39,9 @@ using namespace cuattn;
 using namespace cuattn::mma;
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS>
+          int COLS, int BLOCK_M, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS, int RAGGED = DENSE>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
-    attention_bwd_dkdv_mma(const AttnBwdParams bp) {
+    attention_bwd_dkdv_mma(const AttnBwdParams params) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_N = 16 * NUM_WARPS;
     // this block's output columns: [c0, c0 + COLS) of dK and of dV, where they exist
     constexpr int DK_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;
@@ -50,6 +51,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(COLS % 64 == 0 && HEAD_DIM % DK_COLS == 0 && HEAD_DIM_V % DV_COLS == 0,
                   "column tiles are multiples of 64 that divide the padded head dims");
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
+    // a packed call's block: its sequence as a dense call (common.cuh)
+    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, false);
+    const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
     using L = BwdMmaDkdvSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
@@ -63,8 +67,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
-    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
-                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const BlockCoords blk = bu.blk;
     const long long n_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long n0 = n_block * BLOCK_N;
     const int c0 = (int)col_tile * COLS;
@@ -152,9 +155,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int COLS, int BLOCK_N, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS>
+          int COLS, int BLOCK_N, int NUM_WARPS, bool ALIGNED, int MIN_BLOCKS, int RAGGED = DENSE>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
-    attention_bwd_dq_mma(const AttnBwdParams bp) {
+    attention_bwd_dq_mma(const AttnBwdParams params) {
     constexpr int THREADS = NUM_WARPS * 32, BLOCK_M = 16 * NUM_WARPS;
     constexpr int DQ_COLS = COLS < HEAD_DIM ? COLS : HEAD_DIM;  // [c0, c0 + DQ_COLS) of dQ
     static_assert(COLS % 64 == 0 && HEAD_DIM % DQ_COLS == 0,
@@ -162,6 +165,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0 && BLOCK_N % 16 == 0,
                   "head dims are padded to multiples of 64, key tiles to multiples of 16");
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
+    // a packed call's block: its sequence as a dense call (common.cuh)
+    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, true);
+    const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
     using L = BwdMmaDqSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N>;
@@ -173,8 +179,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
-                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const BlockCoords blk = bu.blk;
     const long long m_block = blk.row_block, col_tile = blk.col_tile, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
     const int c0 = (int)col_tile * DQ_COLS;

@@ -52,10 +52,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // a packed call's or key lengths' block: its sequence as a dense call (common.cuh)
-    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, blockIdx.x, gridDim.x);
     const AttnParams& p = RAGGED != DENSE ? su.p : params;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
-    const ForwardBlock<T, BiasT> blk = forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units);
+    const ForwardBlock<T, BiasT> blk = forward_block_of<RAGGED, T, BiasT>(p, su, BLOCK_M);
     const long long b = blk.b, m0 = blk.m0;
     const T *q = blk.q, *k = blk.k, *v = blk.v;
     const unsigned char* mask = blk.mask;
@@ -71,8 +71,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
-        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED>(
-            k_s + stage * K_ELEMS, v_s + stage * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(), Swizzled<HEAD_DIM_V>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED, RAGGED>(
+            k_s + stage * K_ELEMS, v_s + stage * V_ELEMS, k, v, n0, p, Swizzled<HEAD_DIM>(),
+            Swizzled<HEAD_DIM_V>(), b);
     };
     load_tile<BLOCK_M, HEAD_DIM, THREADS, ALIGNED>(q_s, q, p.q_s.row, p.q_s.col, p.seqlen_q - m0,
                                                    p.head_dim, Swizzled<HEAD_DIM>());

@@ -26,7 +26,8 @@
 //             S and dP issued before this tile's gradient products, so that the
 //             element-wise part runs under them; three stages of the streamed tiles instead
 //             of two); STATS_AHEAD (dK/dV only: each query tile's lse and delta loaded one
-//             request earlier into registers; dispatch sets it without mask and bias).
+//             request earlier into registers; dispatch sets it without mask and bias);
+//             RAGGED (PACKED: a packed call, backward_unit in common.cuh).
 // Shared mem: dK/dV: (64*(HEAD_DIM+HEAD_DIM_V) + S*BLOCK_M*(HEAD_DIM+HEAD_DIM_V))*2
 //             + S*2*BLOCK_M*4 bytes;  dQ: (64 + S*BLOCK_N)*(HEAD_DIM+HEAD_DIM_V)*2 bytes,
 //             S = 3 stages with OVERLAP, else 2, plus the staged mask and bias tiles;
@@ -202,8 +203,10 @@ __device__ __forceinline__ void dq_overlapped(
 }  // namespace
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP, bool STATS_AHEAD = false>
-__global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const AttnBwdParams bp) {
+          int BLOCK_M, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP, bool STATS_AHEAD = false,
+          int RAGGED = DENSE>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    attention_bwd_dkdv_sm90(const AttnBwdParams params) {
     constexpr int THREADS = 128, BLOCK_N = 64, STAGES = OVERLAP ? 3 : 2;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_M == 32 || BLOCK_M == 64 || BLOCK_M == 128),
@@ -211,6 +214,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
     constexpr int Q_ELEMS = BLOCK_M * HEAD_DIM, DO_ELEMS = BLOCK_M * HEAD_DIM_V;
     // the mask and bias tiles of a query tile, staged with its Q and dO (mma_tiles.cuh)
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, true>;
+    // a packed call's block: its sequence as a dense call (common.cuh)
+    const BackwardUnit bu = backward_unit<RAGGED, true, T, G>(params, false);
+    const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
     using L = BwdSm90DkdvSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, HAS_MASK,
@@ -226,8 +232,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest key blocks first: under causal masking the first keys are seen by the most rows
-    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
-                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, false);
+    const BlockCoords blk = bu.blk;
     const long long n_block = blk.row_block, b = blk.b;
     const long long n0 = n_block * BLOCK_N;
 
@@ -323,8 +328,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dkdv_sm90(const
 }
 
 template <typename T, typename G, typename BiasT, bool HAS_MASK, int HEAD_DIM, int HEAD_DIM_V,
-          int BLOCK_N, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP>
-__global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const AttnBwdParams bp) {
+          int BLOCK_N, bool ALIGNED, int MIN_BLOCKS, bool OVERLAP, int RAGGED = DENSE>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    attention_bwd_dq_sm90(const AttnBwdParams params) {
     constexpr int THREADS = 128, BLOCK_M = 64, STAGES = OVERLAP ? 3 : 2;
     static_assert((HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128) &&
                       (BLOCK_N == 64 || BLOCK_N == 128),
@@ -332,6 +338,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
     constexpr int K_ELEMS = BLOCK_N * HEAD_DIM, V_ELEMS = BLOCK_N * HEAD_DIM_V;
     // the mask and bias tiles of a key tile, staged with its K and V (mma_tiles.cuh)
     using Side = SideTiles<BiasT, HAS_MASK, BLOCK_M, BLOCK_N, STAGES, THREADS, false>;
+    // a packed call's block: its sequence as a dense call (common.cuh)
+    const BackwardUnit bu = backward_unit<RAGGED, false, T, G>(params, true);
+    const AttnBwdParams& bp = RAGGED != DENSE ? bu.bp : params;
     const AttnParams& p = bp.f;
 
     using L = BwdSm90DqSmem<T, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, HAS_MASK,
@@ -345,8 +354,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) attention_bwd_dq_sm90(const A
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // heaviest query blocks first: under causal masking the last rows see the most keys
-    const BlockCoords blk = block_coords(bp.num_row_blocks, bp.num_col_tiles,
-                                         bp.f.window_left >= 0 || bp.f.window_right >= 0, true);
+    const BlockCoords blk = bu.blk;
     const long long m_block = blk.row_block, b = blk.b;
     const long long m0 = m_block * BLOCK_M;
 

@@ -64,10 +64,10 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     // a packed call's or key lengths' block: its sequence as a dense call (common.cuh)
-    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, BLOCK_M, blockIdx.x, gridDim.x);
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(params, blockIdx.x, gridDim.x);
     const AttnParams& p = RAGGED != DENSE ? su.p : params;
     // this block's rows and batch entry, heaviest query blocks first (common.cuh)
-    const ForwardBlock<T, BiasT> blk = forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units);
+    const ForwardBlock<T, BiasT> blk = forward_block_of<RAGGED, T, BiasT>(p, su, BLOCK_M);
     const long long b = blk.b, m0 = blk.m0;
     const T *q = blk.q, *k = blk.k, *v = blk.v;
     const unsigned char* mask = blk.mask;
@@ -82,12 +82,13 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(k_s + stage * K_ELEMS, k + n0 * p.k_s.row,
-                                                       p.k_s.row, p.k_s.col, p.seqlen_k - n0,
-                                                       p.head_dim, Sw128<BLOCK_N>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(v_s + stage * V_ELEMS, v + n0 * p.v_s.row,
-                                                         p.v_s.row, p.v_s.col, p.seqlen_k - n0,
-                                                         p.head_dim_v, Sw128<BLOCK_N>());
+        // (PAGED: the tile's page, common.cuh)
+        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(
+            k_s + stage * K_ELEMS, key_rows<RAGGED>(p, k, b, n0, p.k_s.row, p.k_page), p.k_s.row,
+            p.k_s.col, p.seqlen_k - n0, p.head_dim, Sw128<BLOCK_N>());
+        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(
+            v_s + stage * V_ELEMS, key_rows<RAGGED>(p, v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
+            p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>());
         side.request(stage, m0, n0);
     };
     // each warpgroup's 64 rows of Q form one 64-row tile
@@ -181,16 +182,20 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
 // aligned starts and strides (_tma.py).
 // RAGGED: under PACKED the maps span the packed sequences, and a block's boxes start at its
 // sequence's rows; a box past a sequence's end (or past a key length) holds other rows, which
-// count as keys past the end (masked) and as query rows past the end (never stored).
+// count as keys past the end (masked) and as query rows past the end (never stored). Under
+// PAGED the maps of k and v span the pools: rows within a page, and the page along the batch
+// axis that page_axis names (one the call's k and v do not walk); a key tile's box is at its
+// page's row (key_page, common.cuh).
 
 // The piped instance's parameter block: the forward's, and the tensor maps of q, k and v
 // (rank 5: head dim, sequence, batch axes 2, 1, 0 of AttnParams; a broadcast axis has
 // extent 1; boxes of 64 columns x 64 rows for q, x BLOCK_N rows for k and v), and the
 // call's work units (query blocks x batch entries: the grid of a block per unit; a
-// persistent grid takes them in turn). cuattn/_params.py reads it from here.
+// persistent grid takes them in turn), and under PAGED the map dimension of the pages in the
+// maps of k and v (2, 3 or 4: batch axis 2, 1 or 0). cuattn/_params.py reads it from here.
 struct FwdTmaParams {
     AttnParams p;
-    long long units;
+    long long units, page_axis;
     TensorMap q_map, k_map, v_map;
 };
 
@@ -225,6 +230,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
     // bias tiles, or a ragged call's last V tile), the consumers take the rest of the
     // block's allocation at launch (384 threads x 168)
     constexpr bool RAGGED_KEYS = RAGGED != DENSE;  // keys end before the maps' rows do
+    // the producer warpgroup's named barrier (the consumers' turns take 1 .. NUM_WG)
+    constexpr int PRODUCER_BAR = NUM_WG + 1;
     constexpr int PRODUCER_REGS = SIDE || RAGGED_KEYS ? 40 : 24,
                   CONSUMER_REGS = SIDE || RAGGED_KEYS ? 232 : 240;
     static_assert(NUM_WG * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536,
@@ -235,7 +242,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
     static_assert(!(RAGGED_KEYS && PERSISTENT), "a ragged call has a block per work unit");
     // a packed call's or key lengths' block: its sequence as a dense call, whose rows start
     // at su.q_row0 and su.k_row0 of the tensor maps (common.cuh)
-    const SequenceUnit su = sequence_unit<RAGGED, T, float>(w.p, BLOCK_M, blockIdx.x, gridDim.x);
+    const SequenceUnit su = sequence_unit<RAGGED, T, float>(w.p, blockIdx.x, gridDim.x);
     const AttnParams& p = RAGGED != DENSE ? su.p : w.p;
 
     using L = FwdSm90TmaSmem<T, HEAD_DIM, HEAD_DIM_V, NUM_WG, BLOCK_N, STAGES, HAS_MASK && SIDE,
@@ -264,8 +271,8 @@ __global__ void __launch_bounds__(3 * 128, 1)
     };
     auto unit_at = [&](unsigned u) {
         const ForwardBlock<T, BiasT> blk =
-            RAGGED_KEYS ? forward_block_at<T, BiasT>(p, BLOCK_M, su.unit, su.units)
-                   : forward_block_at<T, BiasT>(p, BLOCK_M, u, units);
+            RAGGED_KEYS ? forward_block_of<RAGGED, T, BiasT>(p, su, BLOCK_M)
+                        : forward_block_at<T, BiasT>(p, BLOCK_M, u, units);
         const int m_last = min((int)blk.m0 + BLOCK_M, (int)p.seqlen_q) - 1;
         const Range keys = key_band(p, blk.m0, m_last, BLOCK_N);
         const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
@@ -276,7 +283,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
         mbar_init(q_full, 1);
         mbar_init(q_empty, NUM_WG * 4);  // a lane of each consumer warp
         // a slot is full with the copy engine's bytes, and the staged tiles of every
-        // producer thread
+        // producer thread (RAGGED: or their part of a last V tile)
         init_slot_barriers<STAGES>(full, empty, NUM_WG * 4, staged || RAGGED_KEYS ? 1 + 128 : 1);
         fence_mbar_init();
     }
@@ -286,7 +293,11 @@ __global__ void __launch_bounds__(3 * 128, 1)
         setmaxnreg_dec<PRODUCER_REGS>();
         const int tid = threadIdx.x - NUM_WG * 128;
         const bool copier = tid == 0;  // the lane that issues the bulk tensor copies
-        if (!copier && !staged && !RAGGED_KEYS) return;
+        // RAGGED: the other producer threads copy a last V tile that reaches past the keys'
+        // end with the copier, and only that tile (unless they stage every tile's mask and
+        // bias tiles, and copy it with them)
+        const bool tail_only = RAGGED_KEYS && !staged && !copier;
+        if (!copier && !staged && !tail_only) return;
         if (copier) {
             prefetch_tensor_map(&w.q_map);
             prefetch_tensor_map(&w.k_map);
@@ -312,7 +323,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
             };
             const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
             auto fill = [&](int t, int s, unsigned bar) {
-                const int n0 = un.n_lo + t * BLOCK_N, row = su.k_row0 + n0;
+                const int n0 = un.n_lo + t * BLOCK_N;
                 // RAGGED: V rows past the sequence's end would be the next sequence's (or
                 // rows past a key length), and P V multiplies them by 0 (an inf or NaN there
                 // would spread): that tile's V is copied by the warpgroup's threads instead,
@@ -320,25 +331,48 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 const bool v_by_threads = RAGGED_KEYS && n0 + BLOCK_N > p.seqlen_k;
                 if (copier) {
                     mbar_expect_tx(bar, v_by_threads ? K_BYTES : SLOT_BYTES);
+                    // the arrivals of every producer thread, where they copy nothing
+                    if (RAGGED_KEYS && !staged && !v_by_threads) mbar_arrive_count(bar, 128);
                     const unsigned k_dst = slots + s * SLOT_BYTES, v_dst = k_dst + K_BYTES;
+                    // PAGED: the tile's row in its page, and the page on the maps' page
+                    // axis, which k and v do not walk (their coordinate there is 0)
+                    int row = su.k_row0 + n0, page2 = 0, page1 = 0, page0 = 0;
+                    if constexpr (RAGGED == PAGED) {
+                        const KeyPage kp = key_page(p, b, n0);
+                        row = kp.row;
+                        page2 = w.page_axis == 2 ? kp.page : 0;
+                        page1 = w.page_axis == 3 ? kp.page : 0;
+                        page0 = w.page_axis == 4 ? kp.page : 0;
+                    }
 #pragma unroll
                     for (int g = 0; g < HEAD_DIM / 64; ++g)
-                        tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, row, kb.c2,
-                                 kb.c1, kb.c0, bar);
+                        tma_load(k_dst + g * BLOCK_N * 128, &w.k_map, 64 * g, row, kb.c2 + page2,
+                                 kb.c1 + page1, kb.c0 + page0, bar);
                     if (!v_by_threads)
 #pragma unroll
                         for (int g = 0; g < HEAD_DIM_V / 64; ++g)
                             tma_load(v_dst + g * BLOCK_N * 128, &w.v_map, 64 * g, row,
-                                     vb.c2, vb.c1, vb.c0, bar);
+                                     vb.c2 + page2, vb.c1 + page1, vb.c0 + page0, bar);
                 }
-                if (v_by_threads)
+                // the copier comes here once the slot is free (produce_tiles waited for
+                // it): the other producer threads wait for it at a named barrier
+                if (v_by_threads) bar_sync(PRODUCER_BAR, 128);
+                if (v_by_threads)  // (PAGED: at the tile's page, common.cuh)
                     load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
                         reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
-                        un.blk.v + (long long)n0 * p.v_s.row, p.v_s.row, p.v_s.col,
-                        p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
+                        key_rows<RAGGED>(p, un.blk.v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
+                        p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
                 if (staged) side.request(s, m0, n0, tid);
-                if (staged || RAGGED_KEYS) cp_async_arrive(bar);
+                if (staged || v_by_threads) cp_async_arrive(bar);
             };
+            if (tail_only) {  // the last tile alone, where its V reaches past the keys' end
+                // its slot is free when the copier reaches it (fill's named barrier): a
+                // parity wait here could take an earlier phase of the slot for its own
+                const int t = un.tiles - 1, g = ring + t;  // its fill in produce_tiles
+                if (t < 0 || un.n_lo + t * BLOCK_N + BLOCK_N <= p.seqlen_k) return 0;
+                fill(t, g % STAGES, full + 8 * (g % STAGES));
+                return 0;
+            }
             // PERSISTENT: the unit's first tiles while the consumers finish the last unit
             // (their slots' releases need no Q), then its Q once they are done with the last
             const int ahead = PERSISTENT ? min(STAGES, un.tiles) : 0;
@@ -350,7 +384,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
             return un.tiles;
         };
         for_each_unit<PERSISTENT>(units, produce);
-        if (staged) cp_async_wait_all();  // no copy outlives its thread
+        if (staged || tail_only) cp_async_wait_all();  // no copy outlives its thread
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();

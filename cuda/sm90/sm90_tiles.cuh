@@ -93,6 +93,11 @@ __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// `count` arrivals at once (on behalf of threads that have nothing to add to this phase).
+__device__ __forceinline__ void mbar_arrive_count(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count)
+                 : "memory");
+}
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     unsigned done;
