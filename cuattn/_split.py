@@ -71,9 +71,7 @@ def fold_groups(call: AttentionCall, copy: bool = False,
     left, right = call.window_left, call.window_right
     if 0 <= left < sk - 1 or 0 <= right < sq - 1:
         return None
-    q = _rows_folded(call.q, sq)
-    if q is None and copy:
-        q = _rows_folded(call.xp.ascontiguousarray(call.q), sq)
+    q = _rows_folded_or_copied(call.q, sq) if copy else _rows_folded(call.q, sq)
     out = None if call.out is None else _rows_folded(call.out, sq)
     if q is None or (call.out is not None and out is None and not copy):
         return None
@@ -95,12 +93,8 @@ def fold_backward(call: AttentionCall, dout, out, lse, sm_count: int):
     folded = fold_groups(call, copy=True, rows=None)
     if folded is None:
         return None
-    xp, sq = call.xp, call.seqlen_q
-    arrays = []
-    for x in (dout, out, lse[..., None]):
-        y = _rows_folded(x, sq)
-        arrays.append(y if y is not None else _rows_folded(xp.ascontiguousarray(x), sq))
-    dout, out, lse = arrays
+    dout, out, lse = (_rows_folded_or_copied(x, call.seqlen_q)
+                      for x in (dout, out, lse[..., None]))
     return folded, dout, out, lse[..., 0]
 
 
@@ -149,6 +143,13 @@ def _rows_folded(x, sq: int):
     elif g_stride != sq * row_stride:
         return None
     return _strided(x, (*lead, 1, g * sq, d), (*lead_strides, 0, row_stride, col_stride))
+
+
+def _rows_folded_or_copied(x, sq: int):
+    """:func:`_rows_folded` of x, or of a C-contiguous copy of x where its G and Sq axes
+    are not one run."""
+    y = _rows_folded(x, sq)
+    return y if y is not None else _rows_folded(x.copy(order="C"), sq)
 
 
 def _strided(x, shape: tuple, strides: tuple):

@@ -390,18 +390,20 @@ __device__ __forceinline__ KeyPage key_page(const AttnParams& p, long long b, lo
     return {min(max(row[(long long)(j / size) * p.pages_s.col], 0), (int)p.num_pages - 1),
             (int)(j % size)};
 }
-// key_rows: the first row of the tile of keys n0 .. of batch entry b in x (k or v, with
-// row_stride and page_stride its pool's); n0 * row_stride past x for the other modes.
+// tile_page: key_page under PAGED (one table read per key tile, for its K and V alike),
+// nothing for the other modes. key_rows: the first row of the tile of keys n0 .. in x (k
+// or v, with row_stride and page_stride its pool's) at that page; n0 * row_stride past x
+// for the other modes.
+template <int RAGGED>
+__device__ __forceinline__ KeyPage tile_page(const AttnParams& p, long long b, long long n0) {
+    if constexpr (RAGGED == PAGED) return key_page(p, b, n0);
+    else return {0, 0};
+}
 template <int RAGGED, typename T>
-__device__ __forceinline__ const T* key_rows(const AttnParams& p, const T* x, long long b,
-                                            long long n0, long long row_stride,
-                                            long long page_stride) {
-    if constexpr (RAGGED == PAGED) {
-        const KeyPage kp = key_page(p, b, n0);
-        return x + kp.page * page_stride + (long long)kp.row * row_stride;
-    } else {
-        return x + n0 * row_stride;
-    }
+__device__ __forceinline__ const T* key_rows(const T* x, long long n0, KeyPage kp,
+                                            long long row_stride, long long page_stride) {
+    if constexpr (RAGGED == PAGED) return x + kp.page * page_stride + (long long)kp.row * row_stride;
+    else return x + n0 * row_stride;
 }
 
 // A forward block's work: forward_block_at (DENSE, KEY_LENGTHS, PAGED), or the row block and

@@ -187,7 +187,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
 }
 
 // The K and V tiles of keys n0 .. n0 + ROWS - 1 of batch entry b (k and v at its first
-// key; PAGED: its pools', key_rows in common.cuh), one load_tile each, into k_dst and v_dst
+// key; PAGED: its pools', tile_page and key_rows in common.cuh), one load_tile each, into k_dst and v_dst
 // laid out by at_k and at_v: the per-tile request of the kernels that stream key tiles (the
 // mma forward, the dQ kernels of the backward; attention_mma_wide.cu still spells it out:
 // with this helper its PTX orders one multiply differently, so it moves over once that can
@@ -197,11 +197,12 @@ template <int ROWS, int HEAD_DIM, int HEAD_DIM_V, int THREADS, bool ALIGNED, int
 __device__ __forceinline__ void load_kv_tiles(T* k_dst, T* v_dst, const T* k, const T* v,
                                               long long n0, const AttnParams& p, AtK at_k,
                                               AtV at_v, long long b = 0) {
+    const KeyPage kp = tile_page<RAGGED>(p, b, n0);
     load_tile<ROWS, HEAD_DIM, THREADS, ALIGNED>(
-        k_dst, key_rows<RAGGED>(p, k, b, n0, p.k_s.row, p.k_page), p.k_s.row, p.k_s.col,
+        k_dst, key_rows<RAGGED>(k, n0, kp, p.k_s.row, p.k_page), p.k_s.row, p.k_s.col,
         p.seqlen_k - n0, p.head_dim, at_k);
     load_tile<ROWS, HEAD_DIM_V, THREADS, ALIGNED>(
-        v_dst, key_rows<RAGGED>(p, v, b, n0, p.v_s.row, p.v_page), p.v_s.row, p.v_s.col,
+        v_dst, key_rows<RAGGED>(v, n0, kp, p.v_s.row, p.v_page), p.v_s.row, p.v_s.col,
         p.seqlen_k - n0, p.head_dim_v, at_v);
 }
 

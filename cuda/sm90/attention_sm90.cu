@@ -82,13 +82,9 @@ __global__ void __launch_bounds__(NUM_WG * 128, MIN_BLOCKS)
     const int n_lo = (int)keys.lo, n_hi = (int)keys.hi;
 
     auto request_kv = [&](int n0, int stage) {
-        // (PAGED: the tile's page, common.cuh)
-        load_tile<BLOCK_N, HEAD_DIM, THREADS, ALIGNED>(
-            k_s + stage * K_ELEMS, key_rows<RAGGED>(p, k, b, n0, p.k_s.row, p.k_page), p.k_s.row,
-            p.k_s.col, p.seqlen_k - n0, p.head_dim, Sw128<BLOCK_N>());
-        load_tile<BLOCK_N, HEAD_DIM_V, THREADS, ALIGNED>(
-            v_s + stage * V_ELEMS, key_rows<RAGGED>(p, v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
-            p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>());
+        load_kv_tiles<BLOCK_N, HEAD_DIM, HEAD_DIM_V, THREADS, ALIGNED, RAGGED>(
+            k_s + stage * K_ELEMS, v_s + stage * V_ELEMS, k, v, n0, p, Sw128<BLOCK_N>(),
+            Sw128<BLOCK_N>(), b);
         side.request(stage, m0, n0);
     };
     // each warpgroup's 64 rows of Q form one 64-row tile
@@ -324,6 +320,7 @@ __global__ void __launch_bounds__(3 * 128, 1)
             const Side side(smem_raw + L::side_s, un.blk.mask, un.blk.bias, p);
             auto fill = [&](int t, int s, unsigned bar) {
                 const int n0 = un.n_lo + t * BLOCK_N;
+                const KeyPage kp = tile_page<RAGGED>(p, b, n0);  // PAGED: the tile's page
                 // RAGGED: V rows past the sequence's end would be the next sequence's (or
                 // rows past a key length), and P V multiplies them by 0 (an inf or NaN there
                 // would spread): that tile's V is copied by the warpgroup's threads instead,
@@ -338,7 +335,6 @@ __global__ void __launch_bounds__(3 * 128, 1)
                     // axis, which k and v do not walk (their coordinate there is 0)
                     int row = su.k_row0 + n0, page2 = 0, page1 = 0, page0 = 0;
                     if constexpr (RAGGED == PAGED) {
-                        const KeyPage kp = key_page(p, b, n0);
                         row = kp.row;
                         page2 = w.page_axis == 2 ? kp.page : 0;
                         page1 = w.page_axis == 3 ? kp.page : 0;
@@ -356,12 +352,13 @@ __global__ void __launch_bounds__(3 * 128, 1)
                 }
                 // the copier comes here once the slot is free (produce_tiles waited for
                 // it): the other producer threads wait for it at a named barrier
-                if (v_by_threads) bar_sync(PRODUCER_BAR, 128);
-                if (v_by_threads)  // (PAGED: at the tile's page, common.cuh)
+                if (v_by_threads) {
+                    bar_sync(PRODUCER_BAR, 128);
                     load_tile<BLOCK_N, HEAD_DIM_V, 128, true>(
                         reinterpret_cast<T*>(smem_raw + L::slots + s * SLOT_BYTES + K_BYTES),
-                        key_rows<RAGGED>(p, un.blk.v, b, n0, p.v_s.row, p.v_page), p.v_s.row,
+                        key_rows<RAGGED>(un.blk.v, n0, kp, p.v_s.row, p.v_page), p.v_s.row,
                         p.v_s.col, p.seqlen_k - n0, p.head_dim_v, Sw128<BLOCK_N>(), tid);
+                }
                 if (staged) side.request(s, m0, n0, tid);
                 if (staged || v_by_threads) cp_async_arrive(bar);
             };
