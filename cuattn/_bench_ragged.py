@@ -47,7 +47,8 @@ def _paged_impls(case: Case, q, k, v, cupy) -> dict:
     b, page = case.batch, case.page_size
     per_entry = case.seqlen_k // page
     order = np.random.default_rng(0).permutation(b * per_entry)
-    table = cupy.asarray(order.reshape(b, per_entry))
+    # the table and lengths of a decoding loop: on the device, as the kernels read them
+    table = cupy.asarray(order.reshape(b, per_entry).astype(np.int32))
     pools = []
     for x in (k, v):  # (b, hk, 1, sk, d) -> pages (b * per_entry, hk, 1, page, d), shuffled
         pages = x.reshape(b, x.shape[1], 1, per_entry, page, x.shape[-1])
@@ -55,7 +56,7 @@ def _paged_impls(case: Case, q, k, v, cupy) -> dict:
         pool = cupy.empty_like(pages.reshape((b * per_entry,) + pages.shape[2:]))
         pool[cupy.asarray(order)] = pages.reshape(pool.shape)
         pools.append(pool)
-    lengths = np.full((b, 1, 1), case.seqlen_k)
+    lengths = cupy.full((b, 1, 1), case.seqlen_k, cupy.int32)
     return {"cuattn": lambda: cuattn.attention(q, *pools, k_lengths=lengths,
                                                block_table=table),
             "cuattn contiguous": lambda: cuattn.attention(q, k, v, k_lengths=lengths)}

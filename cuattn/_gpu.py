@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import numpy as np
 
@@ -17,7 +18,6 @@ from . import _dispatch, _split
 from ._checks import (
     AttentionCall,
     byte_span,
-    check_attention,
     loaded_cupy,
     lse_dtype,
 )
@@ -168,93 +168,135 @@ def _plan(call: AttentionCall, device_id: int, kernel, tiles, out, lse, chunks: 
     return plan
 
 
-#: Repeated calls: the signature of a plain CuPy call whose arguments were validated and
-#: whose launch plan exists -> (out shape, dtype, lse shape and dtype, plan). The signature
-#: holds everything validation and dispatch read: the arrays' type, shapes, strides,
-#: dtypes and devices (q, k, v, and mask, bias and out when given), where q, k, v
-#: start within 16 bytes, the scalar arguments as given (window sides with their
-#: types, since (1.0, 2) is refused where (1, 2) is not) and the environment variables that
-#: choose a family or the sources; so a call that matches one needs neither.
+#: Repeated calls: the signature of a CuPy call whose arguments were validated and whose
+#: launch plan read them in place -> (out shape, dtype, lse shape and dtype or None, plan,
+#: spans). The signature holds everything validation and dispatch read: the arrays' type,
+#: shapes, strides, dtypes and devices (q, k, v, and mask, bias, out, device key lengths
+#: and page table when given), where q, k, v start within 16 bytes, the scalar arguments
+#: as given (window sides with their types, since (1.0, 2) is refused where (1, 2) is not)
+#: and the environment variables that choose a family or the sources; so a call that
+#: matches one needs neither. Device key lengths and tables are never read on the host
+#: (the kernels clip their values), so their values are no part of it.
 _repeated: dict = {}
+#: the plans run by the long way of a call whose signature is being learnt (per thread):
+#: a list of (plan, slot pointers) while :func:`remember` is open, else absent
+_recorded = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unseen:
+    """A call eligible for the short way whose signature is not known yet: its key and the
+    arrays of its nine slots as given (out, lse: None), for :func:`remember`."""
+    key: tuple
+    given: tuple
 
 
 def repeated_call(q, k, v, mask, bias, window, scale, causal, softcap, return_lse, precision,
-                  out=None):
-    """The result of ``attention(q, k, v, ...)`` by a known signature's plan, or None (an
-    unseen signature is validated and planned the long way, then remembered). A given
-    ``out`` is part of the signature (shape, strides, dtype, device); that it overlaps no
-    input is checked per call, on its addresses."""
+                  out=None, k_lengths=None, block_table=None):
+    """The result of ``attention(q, k, v, ...)`` by a known signature's plan; an
+    :class:`Unseen` for a call that may take the short way once its long way (run under
+    :func:`remember`) has planned it; None for a call that never does (NumPy arrays, host
+    key lengths or tables, an argument that is not hashable, another current device). A
+    given ``out`` is part of the signature (shape, strides, dtype, device); that it
+    overlaps no input is checked per call, on its addresses."""
     cupy = loaded_cupy()
     if cupy is None:  # nothing has imported CuPy: q is no cupy.ndarray
         return None
     ndarray = cupy.ndarray
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
-    qd, kd, vd = q.data, k.data, v.data
-    device = qd.device_id
-    extra, pointers = [], [0, 0]
-    for slot, x in enumerate((mask, bias)):
+    given = [q, k, v, out, None, mask, bias, k_lengths, block_table]
+    extra, pointers = [], []
+    for x in given[3:]:
         if x is None:
             extra.append(None)
+            pointers.append(0)
             continue
         if type(x) is not ndarray:
             return None
-        xd = x.data
-        extra.append((x.shape, x.strides, x.dtype, xd.device_id))
-        pointers[slot] = xd.ptr
-    out_key = None
-    if out is not None:
-        if type(out) is not ndarray:
-            return None
-        out_key = (out.shape, out.strides, out.dtype, out.data.device_id)
+        extra.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        pointers.append(x.data.ptr)
     if window is not None:
         if type(window) is not tuple:
             return None
         window_key = tuple((type(side), side) for side in window)
     else:
         window_key = None
+    qd, kd, vd = q.data, k.data, v.data
+    device = qd.device_id
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
            v.dtype, device, kd.device_id, vd.device_id, qd.ptr % 16, kd.ptr % 16, vd.ptr % 16,
-           *extra, out_key, window_key, type(scale), scale, type(causal), causal,
-           type(softcap), softcap,
-           type(return_lse), return_lse, precision,
+           *extra, window_key, type(scale), scale, type(causal), causal,
+           type(softcap), softcap, type(return_lse), return_lse, precision,
            os.environ.get("CUATTN_KERNEL"), os.environ.get("CUATTN_KERNEL_DIR"))
     try:
         entry = _repeated.get(key)
     except TypeError:  # an unhashable argument: the long way
         return None
-    if entry is None:
-        call = check_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
-                               bias=bias, softcap=softcap, return_lse=return_lse,
-                               precision=precision, out=out)
-        # the plan of a folded call takes the same pointers (views of the same arrays)
-        out, lse, plan = _run(call, None, None, True)
-        if plan is not None:
-            if len(_repeated) >= _MAX_PLANS:
-                _repeated.clear()
-            # a given out's address range against the inputs', per call: their spans
-            # from the first element (fixed by the signature), and out's
-            spans = None if out_key is None else (
-                byte_span(out), [byte_span(x) for x in (q, k, v, mask, bias) if x is not None])
-            _repeated[key] = (call.out_shape, call.dtype, call.lse_shape,
-                              lse_dtype(call.dtype), plan, spans)
-        return (out, lse) if call.return_lse else out
     if cupy.cuda.runtime.getDevice() != device:
         return None  # another device is current: the long way enters q's
+    if entry is None:
+        return Unseen(key, tuple(given))
     out_shape, dtype, lse_shape, lse_dt, launch, spans = entry
     if out is None:
         out = ndarray(out_shape, dtype)
     else:
         at = out.data.ptr
         lo, hi = at + spans[0][0], at + spans[0][1]
-        for ptr, (x_lo, x_hi) in zip(
-                [qd.ptr, kd.ptr, vd.ptr] + [p for p in pointers if p], spans[1]):
+        for x, (x_lo, x_hi) in zip([q, k, v] + [x for x in given[5:] if x is not None],
+                                   spans[1]):
+            ptr = x.data.ptr
             if ptr + x_lo < hi and lo < ptr + x_hi:
                 return None  # the long way names the overlap
-    lse = ndarray(lse_shape, lse_dt) if return_lse else None
+    # the lse where the plan writes one (key lengths always do), returned if asked for
+    lse = None if lse_shape is None else ndarray(lse_shape, lse_dt)
     launch([qd.ptr, kd.ptr, vd.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-            *pointers, 0, 0], cupy.cuda.get_current_stream().ptr)  # no lengths, no pages
+            *pointers[2:]], cupy.cuda.get_current_stream().ptr)
     return (out, lse) if return_lse else out
+
+
+class remember:
+    """Around the long way of an :class:`Unseen` call (``unseen``; None: nothing to
+    learn): records the plans it runs; :meth:`keep` then keeps the signature where exactly
+    one plan ran and it read the call's own arrays in place (its slot pointers are the
+    given arrays', out's and lse's), so that repeating it cannot skip a conversion or a
+    copy."""
+
+    def __init__(self, unseen: Unseen | None):
+        self.unseen, self.runs = unseen, None
+
+    def __enter__(self):
+        if self.unseen is not None:
+            self.runs = _recorded.runs = []
+        return self
+
+    def __exit__(self, *exc):
+        if self.unseen is not None:
+            del _recorded.runs
+
+    def keep(self, call: AttentionCall, out, lse) -> None:
+        """Keep the signature of the call the long way ran (validated ``call``; the ``out``
+        and ``lse`` it returned)."""
+        if self.unseen is None or self.runs is None or len(self.runs) != 1:
+            return
+        plan, pointers = self.runs[0]
+        given = list(self.unseen.given)
+        if given[3] is None:
+            given[3] = out
+        given[4] = lse
+        if [0 if x is None else x.data.ptr for x in given] != pointers:
+            return
+        if len(_repeated) >= _MAX_PLANS:
+            _repeated.clear()
+        # a given out's address range against the inputs', per call: their spans from the
+        # first element (fixed by the signature), and out's
+        inputs = [x for i, x in enumerate(self.unseen.given) if i not in (3, 4)
+                  and x is not None]
+        spans = None if self.unseen.given[3] is None else (
+            byte_span(out), [byte_span(x) for x in inputs])
+        _repeated[self.unseen.key] = (
+            call.out_shape, call.dtype, None if lse is None else lse.shape,
+            None if lse is None else lse.dtype, plan, spans)
 
 
 def forward(call: AttentionCall, kernel: str | None = None, tiles=None, split: bool = True,
@@ -293,8 +335,11 @@ def _run(call: AttentionCall, kernel, tiles, split: bool, lse=None):
     if call.seqlen_q == 0 or 0 in call.batch_shape:
         return out, lse, None
     plan = _plan(call, device_id, kernel, tiles, out, lse, chunks)
-    plan([0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)],
-         cupy.cuda.get_current_stream().ptr)
+    pointers = [0 if x is None else x.data.ptr for x in _forward_arrays(call, out, lse)]
+    plan(pointers, cupy.cuda.get_current_stream().ptr)
+    runs = getattr(_recorded, "runs", None)
+    if runs is not None:  # a signature being learnt (remember)
+        runs.append((plan, pointers))
     return out, lse, plan
 
 

@@ -102,10 +102,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     """
     ragged_args = (q_offsets, k_offsets, max_q_len, max_k_len, k_lengths)
     plain = all(x is None for x in ragged_args) and block_table is None
-    if plain:
+    unseen = None
+    if all(x is None for x in ragged_args[:4]):  # dense, or key lengths (and pages)
         result = _gpu.repeated_call(q, k, v, mask, bias, window, scale, causal, softcap,
-                                    return_lse, precision, out)
-        if result is not None:
+                                    return_lse, precision, out, k_lengths, block_table)
+        if isinstance(result, _gpu.Unseen):
+            unseen = result
+        elif result is not None:
             return result
     if _any_dask(q, k, v, mask, bias):
         if not plain:
@@ -126,7 +129,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     ragged = None if plain else _check_ragged(call, *ragged_args)
     if paged is not None:
         call = _paged.prepared(call, paged, ragged)
-    out, lse = _forward(call) if ragged is None else _ragged.forward(call, ragged)
+    with _gpu.remember(unseen) as learnt:
+        out, lse = _forward(call) if ragged is None else _ragged.forward(call, ragged)
+    learnt.keep(call, out, lse)
     return (out, lse) if call.return_lse else out
 
 

@@ -330,3 +330,48 @@ def test_in_place_on_host_memory(page, lengths, groups, sq, d, causal, device_ta
     assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
     np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-4,
                                atol=1e-4)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged, table_dtype, lengths_dtype, kept", [
+    (True, np.int32, np.int32, True),     # device lengths and table read in place
+    (False, None, np.int64, True),        # device lengths over a contiguous cache
+    (True, np.int64, np.int32, False),    # a table converted per call: the long way
+    (False, None, np.uint16, False),      # lengths converted per call: the long way
+])
+def test_gpu_repeated_device_lengths(paged, table_dtype, lengths_dtype, kept, monkeypatch):
+    """A decoding call with device key lengths (and a device table) whose plan reads them in
+    place is validated once: a repeat of its signature replays the plan with its own
+    pointers and reads the lengths' new values; where the long way converts the lengths or
+    the table, every call takes it. Against the float64 reference at each call's
+    lengths."""
+    import sys
+
+    import cupy
+    module = sys.modules["cuattn.attention"]
+    checks = []
+    real_check = module.check_attention
+    monkeypatch.setattr(module, "check_attention",
+                        lambda *a, **k: checks.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(sys.modules["cuattn._gpu"], "_repeated", {})
+    rng = np.random.default_rng(5)
+    page, first = 256, np.array([2100, 300, 1])
+    q, kp, vp, table, k, v = _paged_case(rng, np.float16, page, len(first), 2, 4, 1, 128,
+                                         -(-first.max() // page) + 1, first)
+    lengths = cupy.asarray(first[:, None, None].astype(lengths_dtype))
+    if paged:
+        args = (cupy.asarray(kp), cupy.asarray(vp))
+        kw = {"block_table": cupy.asarray(table.astype(table_dtype))}
+    else:
+        args = (cupy.asarray(k), cupy.asarray(v))
+        kw = {}
+    k, v = _zeroed(k), _zeroed(v)
+    for n in (first, np.array([1500, 0, 1]), np.array([7, 290, 0])):
+        lengths[...] = cupy.asarray(n[:, None, None])  # the cache's lengths, in place
+        got = cuattn.attention(cupy.asarray(q), *args, k_lengths=lengths, **kw)
+        full = lengths_mask(n[:, None, None], (len(n), 2, 4), 1, k.shape[-2], (-1, -1))
+        ref, _ = attention_reference(q, k, v, mask=full)
+        assert_accurate(np.nan_to_num(to_host(got).astype(np.float64)), ref,
+                        naive_attention(q, k, v, mask=full))
+    assert len(checks) == (1 if kept else 3)
