@@ -197,8 +197,14 @@ def cmd_bench(args) -> int:
                         match=args.match or (), backward_kernel=args.backward_kernel,
                         peers=not args.no_peers)
     print(bench.format_tables(results))
-    if args.report:
-        print(f"performance page: {bench.write_report(results, args.report)}")
+    if args.report or args.readme:
+        from cuattn._kernels import require_cupy
+        env = bench.environment(require_cupy())
+        if args.report:
+            print(f"performance page: {bench.write_report(results, args.report, env)}")
+        if args.readme:
+            bench.write_readme(results, args.readme, env)
+            print(f"performance table: {args.readme}")
     return 0
 
 
@@ -238,6 +244,9 @@ def main(argv=None) -> int:
     b.add_argument("--report", metavar="DIR",
                    help="write the performance page (performance.rst and its plots) into DIR, "
                         "e.g. docs")
+    b.add_argument("--readme", metavar="FILE",
+                   help="rewrite the short performance table between FILE's markers "
+                        "(README.md)")
     b.add_argument("--accuracy", action="store_true",
                    help="instead of times: cuattn's errors against float64 next to the peers' "
                         "on the same inputs (a FlashAttention-style grid), and their ratios; "

@@ -1,5 +1,5 @@
-"""The benchmark's report: the Markdown tables printed after a run, the plot, and the
-performance page (``--report``)."""
+"""The benchmark's report: the Markdown tables printed after a run, the plot, the
+performance page (``--report``) and the README's short table (``--readme``)."""
 from __future__ import annotations
 
 import platform
@@ -137,3 +137,54 @@ def write_report(results: list[Result], directory, env: dict | None = None) -> s
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
+
+
+#: the README's generated block: the lines between these two are rewritten by --readme
+README_BEGIN = "<!-- performance table: generated -->"
+README_END = "<!-- end of the generated performance table -->"
+#: the peers a README row compares with, best first where several ran
+_README_PEERS = ("torch flash", "torch cudnn", "torch flash nested", "torch cudnn nested")
+
+
+def readme_table(results: list[Result], env: dict) -> list[str]:
+    """The README's short table (Markdown): per suite its first forward and first
+    backward case, cuattn's rate and its ratio to PyTorch's flash and cuDNN backends
+    where they ran (peer time / cuattn time), under the run's date, GPU and command."""
+    rows = [["suite", "case", "cuattn", "vs torch flash", "vs torch cuDNN"]]
+    for suite in dict.fromkeys(r.case.suite for r in results):
+        group = [r for r in results if r.case.suite == suite]
+        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
+        picked = {}
+        for r in group:
+            picked.setdefault(r.case.direction, r)
+        for r in picked.values():
+            by = {row.impl: row for row in r.rows}
+            ours = by.get("cuattn")
+            if ours is None or ours.ms is None:
+                continue
+            cells = [suite, r.case.label, f"{ours.rate:.1f} {unit}"]
+            for kind in ("flash", "cudnn"):
+                peer = next((by[p] for p in _README_PEERS if kind in p and p in by
+                             and by[p].ms is not None), None)
+                cells.append("-" if peer is None else f"{peer.ms / ours.ms:.2f}x")
+            rows.append(cells)
+    return [f"{env['gpu']}, driver {env['driver']}, {env['date'][:10]}; ratio = peer time / "
+            f"cuattn time (above 1: cuattn is faster); from `{env['command']}`:", "",
+            "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+            *("| " + " | ".join(r) + " |" for r in rows[1:])]
+
+
+def write_readme(results: list[Result], path, env: dict | None = None) -> None:
+    """Rewrite the block of the README at ``path`` between README_BEGIN and README_END
+    with :func:`readme_table` (the page must hold both markers, in order)."""
+    if env is None:
+        from ._kernels import require_cupy
+        env = environment(require_cupy())
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{path} has no block between {README_BEGIN!r} and {README_END!r}")
+    head = text[:begin + len(README_BEGIN)]
+    with open(path, "w") as f:
+        f.write("\n".join([head, *readme_table(results, env), text[end:]]))

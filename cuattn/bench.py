@@ -50,9 +50,9 @@ from ._bench_core import (
 )
 from ._bench_layers import _layer_rows
 from ._bench_ragged import _dask_rows, _decode_rows, _varlen_rows
-from ._bench_report import _plot, environment, format_tables, write_report
+from ._bench_report import _plot, environment, format_tables, write_readme, write_report
 
-__all__ = ["SUITES", "Case", "run", "format_tables", "write_report"]
+__all__ = ["SUITES", "Case", "run", "format_tables", "write_report", "write_readme"]
 
 
 def _attn_cases(suite, shapes, dtypes, causals=(False, True), precisions=(None,),

@@ -72,3 +72,35 @@ def test_key_length_cases_count_the_keys_of_their_lengths():
     case = SUITES["lengths"][0]  # B16 Hq32 Hk8 Sq1, half of 16384 keys per entry
     assert case.label == "B16 Hq32 Hk8 Sq1 Sk16384 D128 bfloat16 lengths 8192"
     assert case.kv_bytes == 2 * 16 * 8 * 8192 * 128 * 2
+
+
+def test_readme_block_is_rewritten_between_its_markers(tmp_path):
+    """--readme rewrites only the lines between the README's markers: per suite its first
+    forward and first backward case, cuattn's rate and the flash and cuDNN ratios (peer
+    time / cuattn time), under the run's GPU, driver, date and command; a README without
+    both markers is refused and left as it was."""
+    from cuattn._bench_core import Result, Row
+    from cuattn._bench_report import README_BEGIN, README_END, write_readme
+    env = {"gpu": "NVIDIA H200", "driver": 13000, "date": "2026-12-07 10:00:00",
+           "command": "python -m cuattn bench --suite train --readme README.md"}
+    fwd = Case("train", "attention", "bfloat16", 2, 16, 4096, 128)
+    bwd = Case("train", "attention", "bfloat16", 2, 16, 4096, 128, direction="bwd")
+    later = Case("train", "attention", "bfloat16", 2, 16, 8192, 128)
+    results = [Result(fwd, [Row("cuattn", 2.0, 500.0), Row("torch flash", 3.0, 333.3),
+                            Row("torch cudnn", 1.0, 1000.0)]),
+               Result(bwd, [Row("cuattn", 4.0, 400.0), Row("torch flash", None)]),
+               Result(later, [Row("cuattn", 2.0, 600.0)])]
+    path = tmp_path / "README.md"
+    path.write_text(f"# x\n\nbefore\n{README_BEGIN}\nold table\n{README_END}\nafter\n")
+    write_readme(results, path, env)
+    text = path.read_text()
+    assert text.startswith(f"# x\n\nbefore\n{README_BEGIN}\nNVIDIA H200, driver 13000, "
+                           f"2026-12-07;") and text.endswith(f"\n{README_END}\nafter\n")
+    assert "old table" not in text and env["command"] in text
+    table = [line for line in text.splitlines() if line.startswith("| train")]
+    assert table == [f"| train | {fwd.label} | 500.0 TFLOP/s | 1.50x | 0.50x |",
+                     f"| train | {bwd.label} | 400.0 TFLOP/s | - | - |"]
+    path.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no block"):
+        write_readme(results, path, env)
+    assert path.read_text() == "# no markers\n"
