@@ -173,8 +173,12 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
     if blocks == 0 or 2 * blocks > sm_count:
         return 1
     n = min(MAX_CHUNKS, -(-2 * sm_count // blocks), call.seqlen_k // MIN_CHUNK)
-    if call.pages is not None:  # chunks of whole pages
-        n = min(n, call.seqlen_k // call.pages.page_size)
+    if call.pages is not None:  # chunks of whole pages, as few as hold them at that width
+        pages = -(-call.seqlen_k // call.pages.page_size)
+        n = min(n, pages)
+        if n >= 2:
+            width = -(-pages // n)   # pages per chunk (chunk_width)
+            n = -(-pages // width)
     if n < 2:
         return 1
     tail = call.seqlen_k - (n - 1) * chunk_width(call, n)
@@ -185,10 +189,14 @@ def split_count(call: AttentionCall, sm_count: int) -> int:
 
 def chunk_width(call: AttentionCall, n: int) -> int:
     """Keys in each of the first ``n - 1`` chunks: ``Sk // n``, or, for paged keys and
-    values, that rounded down to whole pages (a key tile lies in one page: key_rows in
-    common.cuh; :func:`split_count` leaves a page at least)."""
-    width = call.seqlen_k // n
-    return width if call.pages is None else width - width % call.pages.page_size
+    values, the whole pages of an n-th of them rounded up (a key tile lies in one page:
+    key_rows in common.cuh), so that the last chunk is the shortest rather than the
+    longest; :func:`split_count` takes the n for which it still holds keys."""
+    if call.pages is None:
+        return call.seqlen_k // n
+    page = call.pages.page_size
+    pages = -(-call.seqlen_k // page)
+    return page * -(-pages // n)
 
 
 def buffers(call: AttentionCall, n: int):

@@ -68,6 +68,28 @@ def test_split_count():
     assert _split.split_count(_call((1, 1), 1500, 2500, causal=True), sms) == 1
 
 
+@pytest.mark.parametrize("sk, page", [(32768, 256), (8192, 256), (4096, 128), (2304, 256),
+                                      (131072, 128), (5120, 1024)])
+def test_split_count_paged(sk, page):
+    """Paged keys split into chunks of whole pages, each of the first n - 1 as wide as
+    rounding an n-th up to pages gives, the last the rest: never empty, never the widest
+    (so no chunk's blocks run longer than the contiguous split's by more than a page)."""
+    import dataclasses
+
+    from cuattn._paged import Pages
+    call = _call((1, 32), 1, sk)
+    table = np.zeros((1, 1, -(-sk // page)), np.int32)
+    call = dataclasses.replace(call, pages=Pages(table, page, table.size, 0, 0, 0, 0))
+    n = _split.split_count(call, 132)
+    assert n >= 2
+    width = _split.chunk_width(call, n)
+    last = sk - (n - 1) * width
+    assert width % page == 0 and 0 < last <= width
+    assert width - page < sk // n <= width  # n chunks of about Sk / n keys
+    if (sk, page) == (32768, 256):  # 128 pages: 9 chunks, eight of 15 pages and one of 8
+        assert (n, width, last) == (9, 3840, 2048)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("sq, kw", [(1, {}), (1, {"causal": True}), (4, {"causal": True})])
