@@ -52,6 +52,11 @@ def main():
     kq = cp.random.standard_normal((16, 8, 1, 64), dtype=cp.float32).astype(cp.float16)
     kc = cp.random.standard_normal((16, 8, 512, 64), dtype=cp.float32).astype(cp.float16)
     lengths = np.arange(100, 500, 25)[:, None]
+    # the same lengths kept on the device, and a paged cache of 128-row pages read in place
+    dlen = cp.asarray(lengths.astype(np.int32))
+    pool = cp.ascontiguousarray(kc.reshape(16, 8, 4, 128, 64).transpose(0, 2, 1, 3, 4))
+    pool = pool.reshape(64, 8, 128, 64)
+    table = cp.arange(64, dtype=cp.int32).reshape(16, 4)
     rows = {
         "attention fp16 (1, 2, 16, 64)": lambda: cuattn.attention(q, q, q),
         "attention fp16 causal + mask": lambda: cuattn.attention(q, q, q, causal=True, mask=mask),
@@ -64,6 +69,10 @@ def main():
             pq, pq, pq, q_offsets=offsets, k_offsets=offsets),
         "k_lengths fp16 B16, 16 distinct lengths": lambda: cuattn.attention(
             kq, kc, kc, k_lengths=lengths),
+        "k_lengths fp16 B16, device lengths": lambda: cuattn.attention(
+            kq, kc, kc, k_lengths=dlen),
+        "paged fp16 B16, device table and lengths": lambda: cuattn.attention(
+            kq, pool, pool, k_lengths=dlen, block_table=table),
         "vector_add fp32 1024, out=": lambda: cuattn.vector_add(x, x, out=out),
         "cupy.add fp32 1024, out= (reference)": lambda: cp.add(x, x, out=out),
     }
