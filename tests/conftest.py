@@ -7,7 +7,16 @@ test once, for machines that hold a run for a limited time."""
 import os
 import zlib
 
-import pytest
+# a pytest-xdist worker's share of the cores for BLAS (the float64 references): without it
+# each of n workers starts a BLAS thread per core, and those spin against each other (the
+# variables are read when NumPy loads, which in a worker comes after this file)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
+    _share = str(max(1, (os.cpu_count() or 1) // max(1, int(
+        os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, _share)
+
+import pytest  # noqa: E402 - after the BLAS threads are set
 
 
 def _gpu_count() -> int:
