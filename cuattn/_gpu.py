@@ -263,16 +263,20 @@ class remember:
     copy."""
 
     def __init__(self, unseen: Unseen | None):
-        self.unseen, self.runs = unseen, None
+        self.unseen, self.runs, self.outer = unseen, None, None
 
     def __enter__(self):
         if self.unseen is not None:
+            self.outer = getattr(_recorded, "runs", None)
             self.runs = _recorded.runs = []
         return self
 
     def __exit__(self, *exc):
         if self.unseen is not None:
-            del _recorded.runs
+            # a call inside another's long way: its plans count for the outer call as well
+            _recorded.runs = self.outer
+            if self.outer is not None:
+                self.outer.extend(self.runs)
 
     def keep(self, call: AttentionCall, out, lse) -> None:
         """Keep the signature of the call the long way ran (validated ``call``; the ``out``

@@ -365,6 +365,26 @@ def test_split_plan_replays_on_host_memory(q_lead, sq, sk, kw, monkeypatch):
     assert_accurate(np.asarray(buf), ref, naive_attention(*host, **host_kw))
 
 
+def test_remember_counts_the_plans_of_nested_calls():
+    """A call made inside another's long way records its plans for the outer call too, so
+    the outer call (which then ran more than one plan) is not kept; outside any long way
+    nothing is recorded."""
+    from cuattn import _gpu
+
+    def record(name):
+        _gpu._recorded.runs.append((name, [0] * 9))
+
+    with _gpu.remember(_gpu.Unseen(("outer",), (None,) * 9)) as outer:
+        record("first")
+        with _gpu.remember(_gpu.Unseen(("inner",), (None,) * 9)) as inner:
+            record("second")
+        with _gpu.remember(None):  # a call that learns nothing records into the outer's
+            record("third")
+    assert [name for name, _ in inner.runs] == ["second"]
+    assert [name for name, _ in outer.runs] == ["first", "second", "third"]
+    assert getattr(_gpu._recorded, "runs", None) is None
+
+
 @pytest.mark.parametrize("lengths", [[[[4000]]], [[[4000]], [[3000]]]])
 def test_key_lengths_fold_query_groups_on_host_memory(lengths, monkeypatch):
     """A GQA decoding call with host key lengths runs each run of equal lengths as a dense
