@@ -84,6 +84,11 @@ class Case:
         keys = self.k_length or self.seqlen_k
         return 2.0 * self.batch * self.heads_kv * keys * self.head_dim * size
 
+    @property
+    def unit(self) -> str:
+        """The unit of the case's rate: GB/s for vector_add and decode cases, else TFLOP/s."""
+        return "GB/s" if self.kind in ("vector_add", "decode") else "TFLOP/s"
+
     def rate(self, ms: float) -> float:
         """The case's rate at ``ms`` per call: GB/s of K and V for decode cases, TFLOP/s
         otherwise."""

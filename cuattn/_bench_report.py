@@ -15,7 +15,7 @@ def format_tables(results: list[Result]) -> str:
     lines = []
     for suite in dict.fromkeys(r.case.suite for r in results):
         group = [r for r in results if r.case.suite == suite]
-        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
+        unit = group[0].case.unit
         peers = list(dict.fromkeys(row.impl for r in group for row in r.rows))
         lines.append(f"\n### suite {suite} ({unit}; ratio = peer time / cuattn time, >1 means "
                      f"cuattn is faster; extra MB = peak extra device memory)")
@@ -108,7 +108,7 @@ def write_report(results: list[Result], directory, env: dict | None = None) -> s
     suites = list(dict.fromkeys(r.case.suite for r in results))
     for i, suite in enumerate(suites):
         group = [r for r in results if r.case.suite == suite]
-        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
+        unit = group[0].case.unit
         peers = [p for p in dict.fromkeys(row.impl for r in group for row in r.rows)
                  if p != "cuattn"]
         table = [["case", f"cuattn {unit}", *peers, "cuattn extra MB"]]
@@ -153,7 +153,7 @@ def readme_table(results: list[Result], env: dict) -> list[str]:
     rows = [["suite", "case", "cuattn", "vs torch flash", "vs torch cuDNN"]]
     for suite in dict.fromkeys(r.case.suite for r in results):
         group = [r for r in results if r.case.suite == suite]
-        unit = "GB/s" if group[0].case.kind in ("vector_add", "decode") else "TFLOP/s"
+        unit = group[0].case.unit
         picked = {}
         for r in group:
             picked.setdefault(r.case.direction, r)
